@@ -1,0 +1,347 @@
+// mha/attention.h: the problem description, its validation, the kernel signature and the
+// exact merge of split-KV partial results for multi-head attention on CPUs.
+//
+// C++17, header-only, no dependencies: one kernel file plus this header compile anywhere.
+//
+// What every kernel computes, for each batch element b, query head h, query row i and
+// column d (query head h reads KV head h / (q_heads / kv_heads)):
+//
+//   s[j]      = scale * dot(q[b][i][h], k[b][j][h / g])       for every key j row i sees
+//   o[b][i][h] = sum_j softmax(s)[j] * v[b][j][h / g]
+//   lse[b][h][i] = log(sum_j exp(s[j]))                         (natural log)
+//
+// * Hkv == H is multi-head attention (MHA), 1 < Hkv < H grouped-query (GQA), Hkv == 1
+//   multi-query (MQA): one code path.
+// * Causal masking is BOTTOM-RIGHT aligned: query i sees keys j <= i + (kv_len - q_len).
+//   With a KV cache the new queries are the last q_len positions, so a decoded token sees
+//   the whole cache. When q_len == kv_len this is the usual lower triangle. (PyTorch's
+//   `is_causal` aligns top-left instead; the two differ whenever q_len != kv_len.)
+// * A row that sees no key (causal with q_len > kv_len) outputs zeros and lse = -inf,
+//   never NaN.
+// * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
+//   zeroed.
+// * Arithmetic is fp32. No pointer needs any alignment.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mha {
+
+/// Element strides of a 4-D tensor indexed [batch][seq][head][dim]. The dim axis is always
+/// contiguous (stride 1). Input strides may be 0 (broadcast) and inputs may share memory.
+struct Strides {
+  std::int64_t batch = 0;
+  std::int64_t seq = 0;
+  std::int64_t head = 0;
+};
+
+/// Element strides of lse, indexed [batch][head][row]; rows are contiguous.
+struct LseStrides {
+  std::int64_t batch = 0;
+  std::int64_t head = 0;
+};
+
+/// One attention problem: shapes, masking, scale and the strides of every tensor.
+/// q: [batch][q_len][q_heads][head_dim]      o: same shape as q
+/// k, v: [batch][kv_len][kv_heads][head_dim]  lse: [batch][q_heads][q_len]
+struct Problem {
+  std::int64_t batch = 1;
+  std::int64_t q_len = 1;
+  std::int64_t kv_len = 1;
+  std::int64_t q_heads = 1;
+  std::int64_t kv_heads = 1;
+  std::int64_t head_dim = 1;
+  bool causal = false;
+  float scale = 1.0f;  ///< multiplies q.k; make_problem sets 1/sqrt(head_dim)
+  Strides q, k, v, o;
+  LseStrides lse;
+};
+
+/// The two common memory layouts of one tensor.
+enum class Layout {
+  token_major,  ///< [B][L][H][D]: what X * W produces
+  head_major,   ///< [B][H][L][D]: the usual KV cache
+};
+
+namespace detail {
+// a * b for sizes >= 0, saturating at INT64_MAX so that check() reports the overflow
+// instead of the layout helpers wrapping around.
+inline std::int64_t sat_mul(std::int64_t a, std::int64_t b) {
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  if (a <= 0 || b <= 0) return a < 0 || b < 0 ? -1 : 0;
+  return a > max / b ? max : a * b;
+}
+}  // namespace detail
+
+/// Dense strides of a [batch][len][heads][dim] tensor stored in `layout`.
+inline Strides dense_strides(Layout layout, std::int64_t len, std::int64_t heads,
+                             std::int64_t dim) {
+  using detail::sat_mul;
+  if (layout == Layout::token_major) {
+    return {sat_mul(sat_mul(len, heads), dim), sat_mul(heads, dim), dim};
+  }
+  return {sat_mul(sat_mul(heads, len), dim), dim, sat_mul(len, dim)};
+}
+
+/// A problem with dense tensors in `layout` (all four alike), lse dense [B][H][Lq] and
+/// scale = 1/sqrt(head_dim). Change single strides afterwards for mixed or padded layouts.
+inline Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t kv_len,
+                            std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
+                            bool causal = false, Layout layout = Layout::token_major) {
+  Problem p;
+  p.batch = batch;
+  p.q_len = q_len;
+  p.kv_len = kv_len;
+  p.q_heads = q_heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.causal = causal;
+  p.scale =
+      head_dim > 0 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))) : 1.0f;
+  p.q = p.o = dense_strides(layout, q_len, q_heads, head_dim);
+  p.k = p.v = dense_strides(layout, kv_len, kv_heads, head_dim);
+  p.lse = {detail::sat_mul(q_heads, q_len), q_len};
+  return p;
+}
+
+/// Number of keys query row `row` sees: a prefix [0, visible_keys) of the keys.
+inline std::int64_t visible_keys(const Problem& p, std::int64_t row) {
+  if (!p.causal) return p.kv_len;
+  const std::int64_t n = row + 1 + (p.kv_len - p.q_len);
+  return n < 0 ? 0 : (n > p.kv_len ? p.kv_len : n);
+}
+
+/// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k, v, o
+/// are non-null, outputs do not overlap inputs. lse may be null (then it is not written).
+using Kernel = void (*)(const Problem& p, const float* q, const float* k, const float* v, float* o,
+                        float* lse);
+
+namespace detail {
+
+// a * b + c for non-negative operands, or false when it does not fit in int64_t.
+inline bool mul_add(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t* out) {
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  if (a != 0 && b > (max - c) / a) return false;
+  *out = a * b + c;
+  return true;
+}
+
+// Highest element offset of a tensor with these extents and strides (all >= 0), with the
+// byte offset required to fit in int64_t too. False on overflow.
+inline bool highest_offset(const std::int64_t* extent, const std::int64_t* stride, int rank,
+                           std::int64_t* out) {
+  const std::int64_t max_elements =
+      std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(sizeof(float));
+  std::int64_t sum = 0;
+  for (int i = 0; i < rank; ++i) {
+    if (!mul_add(extent[i] - 1, stride[i], sum, &sum) || sum > max_elements) return false;
+  }
+  *out = sum;
+  return true;
+}
+
+// True when two distinct indices can map to one offset. Exact for nested layouts (every
+// stride at least the span of the smaller ones); interleaved layouts are reported as
+// overlapping, which is conservative.
+inline bool self_overlaps(const std::int64_t* extent, const std::int64_t* stride, int rank) {
+  std::int64_t e[4], s[4];
+  int n = 0;
+  for (int i = 0; i < rank; ++i) {
+    if (extent[i] <= 1) continue;
+    if (stride[i] <= 0) return true;
+    e[n] = extent[i];
+    s[n] = stride[i];
+    ++n;
+  }
+  for (int i = 1; i < n; ++i) {  // insertion sort by stride
+    for (int j = i; j > 0 && s[j] < s[j - 1]; --j) {
+      std::swap(s[j], s[j - 1]);
+      std::swap(e[j], e[j - 1]);
+    }
+  }
+  std::int64_t span = 0;  // highest offset reachable with the smaller strides
+  for (int i = 0; i < n; ++i) {
+    if (s[i] <= span) return true;
+    span += (e[i] - 1) * s[i];  // cannot overflow: highest_offset was checked first
+  }
+  return false;
+}
+
+inline std::string str(std::int64_t v) { return std::to_string(v); }
+
+}  // namespace detail
+
+/// Validates shapes, strides and scale. Returns an empty string when the problem is valid,
+/// otherwise one message naming the field and the constraint it breaks.
+inline std::string check(const Problem& p) {
+  using detail::str;
+  const struct {
+    const char* name;
+    std::int64_t value;
+  } sizes[] = {{"batch", p.batch},     {"q_len", p.q_len},       {"kv_len", p.kv_len},
+               {"q_heads", p.q_heads}, {"kv_heads", p.kv_heads}, {"head_dim", p.head_dim}};
+  for (const auto& s : sizes) {
+    if (s.value <= 0) return std::string(s.name) + " (" + str(s.value) + ") must be positive";
+  }
+  if (p.q_heads % p.kv_heads != 0) {
+    return "q_heads (" + str(p.q_heads) + ") must be a multiple of kv_heads (" + str(p.kv_heads) +
+           ")";
+  }
+  if (!std::isfinite(p.scale) || p.scale == 0.0f) {
+    return "scale (" + std::to_string(p.scale) + ") must be finite and non-zero";
+  }
+
+  const struct {
+    const char* name;
+    const Strides& st;
+    std::int64_t len, heads;
+    bool output;
+  } tensors[] = {{"q", p.q, p.q_len, p.q_heads, false},
+                 {"k", p.k, p.kv_len, p.kv_heads, false},
+                 {"v", p.v, p.kv_len, p.kv_heads, false},
+                 {"o", p.o, p.q_len, p.q_heads, true}};
+  for (const auto& t : tensors) {
+    const std::string name(t.name);
+    const std::int64_t stride[4] = {t.st.batch, t.st.seq, t.st.head, 1};
+    const std::int64_t extent[4] = {p.batch, t.len, t.heads, p.head_dim};
+    const char* field[3] = {"batch", "seq", "head"};
+    for (int i = 0; i < 3; ++i) {
+      if (stride[i] < 0) {
+        return name + "." + field[i] + " stride (" + str(stride[i]) + ") must be >= 0";
+      }
+    }
+    std::int64_t highest = 0;
+    if (!detail::highest_offset(extent, stride, 4, &highest)) {
+      return "highest offset of " + name + " overflows int64_t bytes (strides {" + str(stride[0]) +
+             ", " + str(stride[1]) + ", " + str(stride[2]) + "})";
+    }
+    if (t.output && detail::self_overlaps(extent, stride, 4)) {
+      return name + " strides {batch " + str(stride[0]) + ", seq " + str(stride[1]) + ", head " +
+             str(stride[2]) + "} make " + name +
+             " overlap itself (outputs need distinct elements; head_dim " + str(p.head_dim) +
+             " is contiguous)";
+    }
+  }
+
+  const std::int64_t lse_stride[3] = {p.lse.batch, p.lse.head, 1};
+  const std::int64_t lse_extent[3] = {p.batch, p.q_heads, p.q_len};
+  if (p.lse.batch < 0 || p.lse.head < 0) {
+    return "lse strides {batch " + str(p.lse.batch) + ", head " + str(p.lse.head) +
+           "} must be >= 0";
+  }
+  std::int64_t highest = 0;
+  if (!detail::highest_offset(lse_extent, lse_stride, 3, &highest)) {
+    return "highest offset of lse overflows int64_t bytes";
+  }
+  if (detail::self_overlaps(lse_extent, lse_stride, 3)) {
+    return "lse strides {batch " + str(p.lse.batch) + ", head " + str(p.lse.head) +
+           "} make lse overlap itself (rows of q_len " + str(p.q_len) + " are contiguous)";
+  }
+  return std::string();
+}
+
+/// Number of floats a tensor's buffer must hold: its highest offset + 1. Valid only for a
+/// problem that passed check().
+inline std::int64_t extent(const Strides& st, std::int64_t batch, std::int64_t len,
+                           std::int64_t heads, std::int64_t dim) {
+  return (batch - 1) * st.batch + (len - 1) * st.seq + (heads - 1) * st.head + dim;
+}
+inline std::int64_t q_extent(const Problem& p) {
+  return extent(p.q, p.batch, p.q_len, p.q_heads, p.head_dim);
+}
+inline std::int64_t k_extent(const Problem& p) {
+  return extent(p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim);
+}
+inline std::int64_t v_extent(const Problem& p) {
+  return extent(p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim);
+}
+inline std::int64_t o_extent(const Problem& p) {
+  return extent(p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
+}
+inline std::int64_t lse_extent(const Problem& p) {
+  return (p.batch - 1) * p.lse.batch + (p.q_heads - 1) * p.lse.head + p.q_len;
+}
+
+/// Partial results of one problem computed over disjoint KV chunks (split-KV decoding):
+/// `count` pairs of o and lse, all with the strides given here.
+struct Parts {
+  int count = 0;
+  const float* const* o = nullptr;
+  const float* const* lse = nullptr;
+  Strides o_strides;
+  LseStrides lse_strides;
+};
+
+/// Merges partial results exactly: with m = max_c lse_c and w_c = exp(lse_c - m),
+///   o = sum_c w_c o_c / sum_c w_c,   lse = m + log(sum_c w_c).
+/// A part whose lse is -inf saw no key and contributes nothing; when every part is -inf the
+/// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
+/// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
+/// every element is read before it is written. Throws std::invalid_argument on bad input.
+inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
+  const std::string problem = check(p);
+  if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
+  if (parts.count < 1 || parts.o == nullptr || parts.lse == nullptr || o == nullptr) {
+    throw std::invalid_argument(
+        "mha::merge: needs parts.count >= 1 and non-null o, parts.o "
+        "and parts.lse");
+  }
+  for (int c = 0; c < parts.count; ++c) {
+    if (parts.o[c] == nullptr || parts.lse[c] == nullptr) {
+      throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
+    }
+  }
+  std::vector<float> weight(static_cast<std::size_t>(parts.count));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      for (std::int64_t i = 0; i < p.q_len; ++i) {
+        const std::int64_t lse_off = b * parts.lse_strides.batch + h * parts.lse_strides.head + i;
+        const std::int64_t part_off =
+            b * parts.o_strides.batch + i * parts.o_strides.seq + h * parts.o_strides.head;
+        float* out = o + b * p.o.batch + i * p.o.seq + h * p.o.head;
+        float m = neg_inf;
+        bool nan = false;
+        for (int c = 0; c < parts.count; ++c) {
+          const float l = parts.lse[c][lse_off];
+          nan |= std::isnan(l);
+          m = l > m ? l : m;
+        }
+        float result_lse;
+        if (nan) {
+          result_lse = std::numeric_limits<float>::quiet_NaN();
+          for (int c = 0; c < parts.count; ++c) weight[c] = result_lse;
+        } else if (m == neg_inf) {
+          result_lse = neg_inf;
+          for (int c = 0; c < parts.count; ++c) weight[c] = 0.0f;
+        } else {
+          float sum = 0.0f;
+          for (int c = 0; c < parts.count; ++c) {
+            weight[c] = std::exp(parts.lse[c][lse_off] - m);  // exp(-inf) == 0
+            sum += weight[c];
+          }
+          for (int c = 0; c < parts.count; ++c) weight[c] /= sum;
+          result_lse = m + std::log(sum);
+        }
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          float acc = 0.0f;
+          for (int c = 0; c < parts.count; ++c) {
+            // Only a part that saw no key is skipped (its o is zeros by contract); a weight
+            // that underflowed to 0 still multiplies, so NaN in that part propagates.
+            if (parts.lse[c][lse_off] != neg_inf) acc += weight[c] * parts.o[c][part_off + d];
+          }
+          out[d] = acc;
+        }
+        if (lse != nullptr) lse[b * p.lse.batch + h * p.lse.head + i] = result_lse;
+      }
+    }
+  }
+}
+
+}  // namespace mha

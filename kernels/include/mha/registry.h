@@ -1,0 +1,67 @@
+// mha/registry.h: the kernel variants this build contains, CPU feature detection, and the
+// validating public entry point.
+#pragma once
+
+#include <mha/attention.h>
+
+#include <string>
+#include <vector>
+
+namespace mha {
+
+/// Instruction sets a kernel may need. Ranks order them for MHA_MAX_ISA: a kernel is
+/// offered when the CPU has its ISA and the ISA's rank is at most the cap's.
+enum class Isa {
+  scalar,  ///< rank 0: portable C++
+  avx2,    ///< rank 1: x86-64 AVX2 + FMA
+  avx512,  ///< rank 2: x86-64 AVX-512 F/VL/DQ/BW + FMA
+  neon,    ///< rank 1: AArch64 Advanced SIMD
+};
+
+const char* isa_name(Isa isa);
+int isa_rank(Isa isa);
+
+/// Whether this CPU (and OS) supports `isa`, ignoring MHA_MAX_ISA.
+bool cpu_supports(Isa isa);
+
+/// The cap from the environment variable MHA_MAX_ISA (scalar, avx2, avx512, neon), or
+/// the highest rank when it is unset or empty. Throws std::invalid_argument naming the
+/// accepted values when it holds anything else.
+int max_isa_rank();
+
+/// One registry entry: see kernels/registry.inc.
+struct KernelInfo {
+  const char* name;
+  Isa isa;
+  Kernel fn;
+  double exp_ulp;
+};
+
+/// Every kernel compiled into this build, in registry order (slowest first).
+const std::vector<KernelInfo>& all_kernels();
+
+/// Whether `kernel` may run here: the CPU has its ISA and MHA_MAX_ISA allows it.
+bool available(const KernelInfo& kernel);
+
+/// The kernel called `name`, or nullptr.
+const KernelInfo* find_kernel(const std::string& name);
+
+/// The last available kernel in registry order (the fastest this machine may use).
+const KernelInfo& best_kernel();
+
+/// Why a call with these arguments would be invalid, or an empty string: check(p), null
+/// pointers, and outputs whose memory ranges overlap an input's or each other's.
+std::string check_call(const Problem& p, const float* q, const float* k, const float* v,
+                       const float* o, const float* lse);
+
+/// Validates (throwing std::invalid_argument with check_call's message) and runs the best
+/// available kernel. lse may be null.
+void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
+               float* lse = nullptr);
+
+/// The same with a named kernel; throws std::invalid_argument when the name is unknown or
+/// the kernel is not available on this CPU.
+void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
+               const float* v, float* o, float* lse = nullptr);
+
+}  // namespace mha

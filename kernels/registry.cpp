@@ -1,0 +1,108 @@
+// The runtime registry generated from registry.inc, and the validating entry point.
+#include "mha/registry.h"
+
+#include <cstdint>
+#include <stdexcept>
+
+#define MHA_KERNEL(name, isa, function, exp_ulp)                                                 \
+  void function(const mha::Problem& p, const float* q, const float* k, const float* v, float* o, \
+                float* lse);
+#include "registry.inc"
+#undef MHA_KERNEL
+
+namespace mha {
+
+const std::vector<KernelInfo>& all_kernels() {
+  static const std::vector<KernelInfo> kernels = {
+#define MHA_KERNEL(name, isa, function, exp_ulp) {#name, Isa::isa, &function, exp_ulp},
+#include "registry.inc"
+#undef MHA_KERNEL
+  };
+  return kernels;
+}
+
+bool available(const KernelInfo& kernel) {
+  return isa_rank(kernel.isa) <= max_isa_rank() && cpu_supports(kernel.isa);
+}
+
+const KernelInfo* find_kernel(const std::string& name) {
+  for (const KernelInfo& kernel : all_kernels()) {
+    if (name == kernel.name) return &kernel;
+  }
+  return nullptr;
+}
+
+const KernelInfo& best_kernel() {
+  const KernelInfo* best = &all_kernels().front();  // naive: scalar, always available
+  for (const KernelInfo& kernel : all_kernels()) {
+    if (available(kernel)) best = &kernel;
+  }
+  return *best;
+}
+
+namespace {
+
+struct Range {
+  const char* name;
+  std::uintptr_t begin, end;  // bytes [begin, end)
+};
+
+Range range(const char* name, const void* base, std::int64_t elements) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(base);
+  return {name, begin, begin + static_cast<std::uintptr_t>(elements) * sizeof(float)};
+}
+
+bool intersect(const Range& a, const Range& b) { return a.begin < b.end && b.begin < a.end; }
+
+}  // namespace
+
+std::string check_call(const Problem& p, const float* q, const float* k, const float* v,
+                       const float* o, const float* lse) {
+  std::string message = check(p);
+  if (!message.empty()) return message;
+  const struct {
+    const char* name;
+    const float* ptr;
+  } required[] = {{"q", q}, {"k", k}, {"v", v}, {"o", o}};
+  for (const auto& r : required) {
+    if (r.ptr == nullptr) return std::string(r.name) + " must not be null";
+  }
+  // Whole memory ranges are compared, so an output interleaved with an input in one buffer
+  // (disjoint elements, overlapping ranges) is rejected too: conservative, never unsafe.
+  const Range inputs[] = {range("q", q, q_extent(p)), range("k", k, k_extent(p)),
+                          range("v", v, v_extent(p))};
+  Range outputs[] = {range("o", o, o_extent(p)), range("lse", lse, lse_extent(p))};
+  const int n_outputs = lse != nullptr ? 2 : 1;
+  for (int i = 0; i < n_outputs; ++i) {
+    for (const Range& in : inputs) {
+      if (intersect(outputs[i], in)) {
+        return std::string(outputs[i].name) + " overlaps " + in.name +
+               ": outputs must not share memory with inputs";
+      }
+    }
+  }
+  if (n_outputs == 2 && intersect(outputs[0], outputs[1])) {
+    return "lse overlaps o: outputs must not share memory";
+  }
+  return std::string();
+}
+
+void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
+               const float* v, float* o, float* lse) {
+  const KernelInfo* info = find_kernel(kernel);
+  if (info == nullptr) throw std::invalid_argument("unknown kernel '" + kernel + "'");
+  if (!available(*info)) {
+    throw std::invalid_argument("kernel '" + kernel + "' needs " + isa_name(info->isa) +
+                                ", which this CPU lacks or MHA_MAX_ISA excludes");
+  }
+  const std::string message = check_call(p, q, k, v, o, lse);
+  if (!message.empty()) throw std::invalid_argument("mha::attention: " + message);
+  info->fn(p, q, k, v, o, lse);
+}
+
+void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
+               float* lse) {
+  attention(best_kernel().name, p, q, k, v, o, lse);
+}
+
+}  // namespace mha

@@ -1,0 +1,364 @@
+// Bad input: every rule of mha::check and of the public entry point, each with its own
+// message, and a property that check() itself never misbehaves on arbitrary fields.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <mha/attention.h>
+#include <mha/registry.h>
+#include <rapidcheck.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "harness.h"
+
+namespace mha::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+
+Problem valid() { return make_problem(2, 5, 7, 4, 2, 8, true); }
+
+TEST(Check, AcceptsTheLayoutHelpers) {
+  EXPECT_EQ(check(valid()), "");
+  EXPECT_EQ(check(make_problem(1, 1, 1, 1, 1, 1)), "");
+  EXPECT_EQ(check(make_problem(3, 9, 4, 12, 3, 33, true, Layout::head_major)), "");
+}
+
+TEST(Check, LayoutHelpersSetDefaults) {
+  const Problem p = make_problem(2, 3, 5, 4, 2, 16, false, Layout::head_major);
+  EXPECT_FLOAT_EQ(p.scale, 0.25f);
+  EXPECT_EQ(p.q.head, 3 * 16);
+  EXPECT_EQ(p.k.seq, 16);
+  EXPECT_EQ(p.k.batch, 2 * 5 * 16);
+  EXPECT_EQ(p.lse.head, 3);
+  EXPECT_EQ(p.lse.batch, 12);
+  const Problem t = make_problem(2, 3, 5, 4, 2, 16);
+  EXPECT_EQ(t.q.seq, 4 * 16);
+  EXPECT_EQ(t.k.head, 16);
+}
+
+TEST(Check, SizesMustBePositive) {
+  struct Case {
+    std::int64_t Problem::*field;
+    const char* message;
+  } cases[] = {{&Problem::batch, "batch (0) must be positive"},
+               {&Problem::q_len, "q_len (0) must be positive"},
+               {&Problem::kv_len, "kv_len (0) must be positive"},
+               {&Problem::q_heads, "q_heads (0) must be positive"},
+               {&Problem::kv_heads, "kv_heads (0) must be positive"},
+               {&Problem::head_dim, "head_dim (0) must be positive"}};
+  for (const Case& c : cases) {
+    Problem p = valid();
+    p.*c.field = 0;
+    EXPECT_EQ(check(p), c.message);
+  }
+  Problem p = valid();
+  p.kv_len = -3;
+  EXPECT_EQ(check(p), "kv_len (-3) must be positive");
+}
+
+TEST(Check, HeadsMustDivide) {
+  Problem p = make_problem(1, 4, 4, 12, 5, 8);
+  EXPECT_EQ(check(p), "q_heads (12) must be a multiple of kv_heads (5)");
+  p = make_problem(1, 4, 4, 2, 4, 8);
+  EXPECT_EQ(check(p), "q_heads (2) must be a multiple of kv_heads (4)");
+}
+
+TEST(Check, ScaleMustBeFiniteAndNonZero) {
+  for (float bad :
+       {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    Problem p = valid();
+    p.scale = bad;
+    EXPECT_THAT(check(p), HasSubstr("must be finite and non-zero")) << bad;
+    EXPECT_THAT(check(p), HasSubstr("scale (")) << bad;
+  }
+  Problem p = valid();
+  p.scale = -0.5f;  // legal: a negative scale is a valid (if unusual) attention
+  EXPECT_EQ(check(p), "");
+}
+
+TEST(Check, StridesMustNotBeNegative) {
+  Problem p = valid();
+  p.k.seq = -1;
+  EXPECT_EQ(check(p), "k.seq stride (-1) must be >= 0");
+  p = valid();
+  p.q.batch = -40;
+  EXPECT_EQ(check(p), "q.batch stride (-40) must be >= 0");
+  p = valid();
+  p.o.head = -8;
+  EXPECT_EQ(check(p), "o.head stride (-8) must be >= 0");
+  p = valid();
+  p.lse.head = -1;
+  EXPECT_THAT(check(p), HasSubstr("lse strides {batch 20, head -1} must be >= 0"));
+}
+
+TEST(Check, InputsMayBroadcastButOutputsMayNotOverlap) {
+  Problem p = valid();
+  p.k.batch = p.v.batch = 0;  // one KV for every batch element
+  p.q.head = 0;               // every head reads the same query
+  EXPECT_EQ(check(p), "");
+
+  p = valid();
+  p.o.seq = 0;
+  EXPECT_THAT(check(p), HasSubstr("o strides {batch 160, seq 0, head 8} make o overlap itself"));
+  p = valid();
+  p.o.head = 4;  // heads 8 wide, 4 apart
+  EXPECT_THAT(check(p), HasSubstr("make o overlap itself"));
+  p = valid();
+  p.o.batch = p.o.seq;  // batch 1 starts at query row 1
+  EXPECT_THAT(check(p), HasSubstr("make o overlap itself"));
+
+  p = valid();
+  p.lse.head = 2;  // rows of 5 floats, 2 apart
+  EXPECT_THAT(check(p), HasSubstr("make lse overlap itself"));
+
+  p = valid();  // padded strides are fine
+  p.o.head = 9;
+  p.o.seq = 4 * 9 + 3;
+  p.o.batch = 5 * p.o.seq + 1;
+  p.lse.head = 6;
+  p.lse.batch = 30;
+  EXPECT_EQ(check(p), "");
+}
+
+TEST(Check, OffsetsMustFitInt64) {
+  Problem p = valid();
+  p.q.batch = kMax / 2;
+  EXPECT_THAT(check(p), HasSubstr("highest offset of q overflows int64_t"));
+  p = valid();
+  p.v.seq = kMax / 8;  // fits in elements, not in bytes
+  EXPECT_THAT(check(p), HasSubstr("highest offset of v overflows int64_t"));
+  // Sizes whose dense strides overflow: the layout helpers saturate, check() reports it.
+  p = make_problem(1, std::int64_t{1} << 42, std::int64_t{1} << 42, 1, 1, 1 << 20);
+  EXPECT_THAT(check(p), HasSubstr("overflows int64_t"));
+  p = valid();
+  p.lse.batch = kMax;
+  EXPECT_THAT(check(p), HasSubstr("highest offset of lse overflows int64_t"));
+}
+
+// check() is total: on arbitrary field values it returns a message or accepts, and when it
+// accepts, every offset the kernels compute fits (UBSan would report an overflow).
+TEST(Check, NeverMisbehavesOnArbitraryFields) {
+  const auto field = [] {
+    return rc::gen::oneOf(
+        rc::gen::inRange<std::int64_t>(-3, 40),
+        rc::gen::elementOf(std::vector<std::int64_t>{
+            kMax, kMax / 2, kMax / 4 + 1, std::numeric_limits<std::int64_t>::min(),
+            std::int64_t{1} << 31, std::int64_t{1} << 62}));
+  };
+  check_property([&] {
+    Problem p;
+    p.batch = *field();
+    p.q_len = *field();
+    p.kv_len = *field();
+    p.q_heads = *field();
+    p.kv_heads = *field();
+    p.head_dim = *field();
+    p.scale = *rc::gen::elementOf(std::vector<float>{1.0f, -2.0f, 0.0f, NAN, INFINITY});
+    for (Strides* s : {&p.q, &p.k, &p.v, &p.o}) {
+      s->batch = *field();
+      s->seq = *field();
+      s->head = *field();
+    }
+    p.lse.batch = *field();
+    p.lse.head = *field();
+    const std::string message = check(p);
+    if (message.empty()) {
+      RC_ASSERT(q_extent(p) > 0);
+      RC_ASSERT(o_extent(p) <= kMax / 4);
+      RC_ASSERT(lse_extent(p) > 0);
+    }
+  });
+}
+
+struct Buffers {
+  Problem p = valid();
+  std::vector<float> q = std::vector<float>(static_cast<std::size_t>(q_extent(p)), 0.5f);
+  std::vector<float> k = std::vector<float>(static_cast<std::size_t>(k_extent(p)), 0.25f);
+  std::vector<float> v = std::vector<float>(static_cast<std::size_t>(v_extent(p)), 1.0f);
+  std::vector<float> o = std::vector<float>(static_cast<std::size_t>(o_extent(p)), 0.0f);
+  std::vector<float> lse = std::vector<float>(static_cast<std::size_t>(lse_extent(p)), 0.0f);
+};
+
+TEST(EntryPoint, RunsTheBestKernel) {
+  Buffers b;
+  attention(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data());
+  for (float x : b.o) EXPECT_FLOAT_EQ(x, 1.0f);                    // constant v
+  attention(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data());  // lse is optional
+}
+
+TEST(EntryPoint, RejectsNullPointers) {
+  Buffers b;
+  EXPECT_EQ(check_call(b.p, nullptr, b.k.data(), b.v.data(), b.o.data(), nullptr),
+            "q must not be null");
+  EXPECT_EQ(check_call(b.p, b.q.data(), nullptr, b.v.data(), b.o.data(), nullptr),
+            "k must not be null");
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), nullptr, b.o.data(), nullptr),
+            "v must not be null");
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.v.data(), nullptr, nullptr),
+            "o must not be null");
+  try {
+    attention(b.p, b.q.data(), b.k.data(), b.v.data(), nullptr);
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "mha::attention: o must not be null");
+  }
+}
+
+TEST(EntryPoint, RejectsOutputsOverlappingInputs) {
+  Buffers b;
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.v.data(), b.q.data(), nullptr),
+            "o overlaps q: outputs must not share memory with inputs");
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.v.data(), b.v.data() + 3, nullptr),
+            "o overlaps v: outputs must not share memory with inputs");
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.k.data() + 1),
+            "lse overlaps k: outputs must not share memory with inputs");
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.o.data() + 5),
+            "lse overlaps o: outputs must not share memory");
+  // Inputs may share memory.
+  EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.k.data(), b.o.data(), b.lse.data()), "");
+  EXPECT_THROW(attention(b.p, b.q.data(), b.k.data(), b.v.data(), b.k.data()),
+               std::invalid_argument);
+}
+
+TEST(EntryPoint, RejectsInvalidProblems) {
+  Buffers b;
+  b.p.kv_heads = 3;
+  try {
+    attention(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data());
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "mha::attention: q_heads (4) must be a multiple of kv_heads (3)");
+  }
+}
+
+TEST(EntryPoint, NamedKernels) {
+  Buffers b;
+  EXPECT_NO_THROW(attention("naive", b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data()));
+  try {
+    attention("fastest", b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data());
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "unknown kernel 'fastest'");
+  }
+}
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+TEST(Registry, MaxIsaCapsWhatIsOffered) {
+  {
+    ScopedEnv env("MHA_MAX_ISA", "scalar");
+    EXPECT_STREQ(best_kernel().name, "naive");
+    for (const KernelInfo& k : all_kernels()) {
+      EXPECT_EQ(available(k), k.isa == Isa::scalar) << k.name;
+    }
+  }
+  {
+    ScopedEnv env("MHA_MAX_ISA", "sse9");
+    try {
+      max_isa_rank();
+      FAIL() << "no exception";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_STREQ(e.what(), "MHA_MAX_ISA=sse9 is not one of scalar, avx2, avx512, neon");
+    }
+  }
+}
+
+// Under emulation the test command names the CPU model's best ISA; detection must agree,
+// or the emulated runs would not test the fallbacks they are meant to.
+TEST(Registry, DetectsTheEmulatedCpu) {
+  const char* expected = std::getenv("MHA_EXPECT_CPU_ISA");
+  if (expected == nullptr) GTEST_SKIP() << "MHA_EXPECT_CPU_ISA not set (native run)";
+  Isa top = Isa::scalar;
+  for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {
+    if (cpu_supports(isa) && isa_rank(isa) > isa_rank(top)) top = isa;
+  }
+  EXPECT_STREQ(isa_name(top), expected);
+}
+
+TEST(Registry, NamesAreUniqueAndNaiveComesFirst) {
+  const auto& kernels = all_kernels();
+  ASSERT_FALSE(kernels.empty());
+  EXPECT_STREQ(kernels.front().name, "naive");
+  for (std::size_t i = 0; i < kernels.size(); ++i) {
+    EXPECT_NE(find_kernel(kernels[i].name), nullptr);
+    EXPECT_EQ(find_kernel(kernels[i].name), &kernels[i]);
+    EXPECT_GE(kernels[i].exp_ulp, 0.5) << kernels[i].name;
+  }
+  EXPECT_EQ(find_kernel("no-such-kernel"), nullptr);
+}
+
+TEST(Merge, RejectsBadInput) {
+  Buffers b;
+  Parts parts;
+  EXPECT_THROW(merge(b.p, parts, b.o.data(), nullptr), std::invalid_argument);
+  const float* one[] = {nullptr};
+  parts.count = 1;
+  parts.o = one;
+  parts.lse = one;
+  try {
+    merge(b.p, parts, b.o.data(), nullptr);
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "mha::merge: part 0 is null");
+  }
+  b.p.head_dim = 0;
+  EXPECT_THROW(merge(b.p, parts, b.o.data(), nullptr), std::invalid_argument);
+}
+
+TEST(Merge, PartsThatSawNoKeyDropOut) {
+  Problem p = make_problem(1, 1, 1, 1, 1, 2);
+  const float o0[] = {1.0f, 2.0f}, o1[] = {0.0f, 0.0f}, o2[] = {3.0f, 6.0f};
+  const float inf = std::numeric_limits<float>::infinity();
+  const float l0[] = {0.0f}, l1[] = {-inf}, l2[] = {0.0f};
+  const float* os[] = {o0, o1, o2};
+  const float* ls[] = {l0, l1, l2};
+  Parts parts;
+  parts.count = 3;
+  parts.o = os;
+  parts.lse = ls;
+  parts.o_strides = p.o;
+  parts.lse_strides = p.lse;
+  float o[2], lse;
+  merge(p, parts, o, &lse);
+  EXPECT_FLOAT_EQ(o[0], 2.0f);  // equal weights: the mean of parts 0 and 2
+  EXPECT_FLOAT_EQ(o[1], 4.0f);
+  EXPECT_FLOAT_EQ(lse, std::log(2.0f));
+  const float* all_empty[] = {l1, l1, l1};
+  parts.lse = all_empty;
+  merge(p, parts, o, &lse);
+  EXPECT_EQ(o[0], 0.0f);
+  EXPECT_EQ(o[1], 0.0f);
+  EXPECT_EQ(lse, -inf);
+}
+
+}  // namespace
+}  // namespace mha::test

@@ -1,0 +1,39 @@
+// Every registry kernel against the double-precision reference, on generated problems.
+#include <rapidcheck.h>
+
+#include "harness.h"
+#include "kernel_test.h"
+
+namespace mha::test {
+namespace {
+
+class Equivalence : public KernelTest {};
+
+TEST_P(Equivalence, MatchesReference) {
+  check_property([this] { check_equivalence(kernel(), *gen_case()); });
+}
+
+TEST_P(Equivalence, GroupedQueryHeads) {
+  CaseOptions options;
+  options.grouped = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
+}
+
+TEST_P(Equivalence, CausalWithMoreQueriesThanKeys) {
+  CaseOptions options;
+  options.causal = 1;
+  options.q_longer = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
+}
+
+TEST_P(Equivalence, CausalPrefill) {  // Lq == Lk, the usual lower triangle
+  CaseOptions options;
+  options.causal = 1;
+  options.equal_lengths = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
+}
+
+MHA_INSTANTIATE_FOR_KERNELS(Equivalence);
+
+}  // namespace
+}  // namespace mha::test

@@ -1,0 +1,469 @@
+#include "harness.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+
+namespace mha::test {
+
+namespace {
+
+const char* name(Layout l) { return l == Layout::token_major ? "token" : "head"; }
+
+const char* name(Storage s) {
+  switch (s) {
+    case Storage::separate:
+      return "separate";
+    case Storage::fused_qkv:
+      return "fused_qkv";
+    case Storage::shared_kv:
+      return "shared_kv";
+    case Storage::broadcast_batch:
+      return "broadcast_batch";
+  }
+  return "?";
+}
+
+const char* name(Values v) {
+  switch (v) {
+    case Values::uniform:
+      return "uniform";
+    case Values::large_logits:
+      return "large_logits";
+    case Values::dominant_key:
+      return "dominant_key";
+    case Values::equal_keys:
+      return "equal_keys";
+    case Values::constant_v:
+      return "constant_v";
+  }
+  return "?";
+}
+
+// Sizes at and around vector and tile boundaries.
+constexpr std::int64_t kEdges[] = {1,  2,  3,  4,  7,  8,  9,   15,  16, 17,
+                                   31, 32, 33, 63, 64, 65, 127, 128, 129};
+
+// A size in [lo, hi]: half the time an edge value (or hi), otherwise biased to small values
+// (uniform below a random power of two), so that most cases are cheap and shrink well.
+rc::Gen<std::int64_t> gen_size(std::int64_t lo, std::int64_t hi) {
+  std::vector<std::int64_t> edges;
+  for (std::int64_t e : kEdges) {
+    if (e >= lo && e <= hi) edges.push_back(e);
+  }
+  edges.push_back(hi);
+  int bits = 0;
+  while ((std::int64_t{1} << bits) < hi - lo + 1) ++bits;
+  // The bit count grows with RapidCheck's size (small cases first); the rest does not.
+  auto small = rc::gen::mapcat(rc::gen::inRange(0, bits + 1), [lo, hi](int b) {
+    return unsized(
+        rc::gen::inRange<std::int64_t>(lo, std::min(hi, lo + (std::int64_t{1} << b) - 1) + 1));
+  });
+  auto edge = unsized(rc::gen::elementOf(edges));
+  return rc::gen::mapcat(unsized(rc::gen::arbitrary<bool>()),
+                         [edge, small](bool at_edge) { return at_edge ? edge : small; });
+}
+
+std::vector<std::int64_t> divisors(std::int64_t n, bool proper) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t d = 1; d <= n; ++d) {
+    if (n % d == 0 && !(proper && d == n)) out.push_back(d);
+  }
+  return out;
+}
+
+double work(const Problem& p) {
+  return static_cast<double>(p.batch) * static_cast<double>(p.q_heads) *
+         static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
+         static_cast<double>(p.head_dim);
+}
+
+}  // namespace
+
+std::ostream& operator<<(std::ostream& os, const Case& c) {
+  const Problem& p = c.p;
+  os << "B=" << p.batch << " H=" << p.q_heads << " Hkv=" << p.kv_heads << " Lq=" << p.q_len
+     << " Lk=" << p.kv_len << " D=" << p.head_dim << " causal=" << p.causal
+     << " scale=" << std::setprecision(9) << p.scale << " layouts(q,kv,o)=" << name(c.q_layout)
+     << "," << name(c.kv_layout) << "," << name(c.o_layout) << " pad=" << c.pad
+     << " misalign=" << c.misalign << " storage=" << name(c.storage) << " values=" << name(c.values)
+     << " value_scale=" << c.value_scale << " seed=" << c.seed;
+  return os;
+}
+
+void showValue(const Case& c, std::ostream& os) { os << c; }
+
+Strides padded_strides(Layout layout, std::int64_t batch, std::int64_t len, std::int64_t heads,
+                       std::int64_t dim, std::int64_t pad) {
+  (void)batch;
+  Strides s;
+  if (layout == Layout::token_major) {
+    s.head = dim + pad;
+    s.seq = heads * s.head + pad;
+    s.batch = len * s.seq + pad;
+  } else {
+    s.seq = dim + pad;
+    s.head = len * s.seq + pad;
+    s.batch = heads * s.head + pad;
+  }
+  return s;
+}
+
+rc::Gen<Case> gen_case(const CaseOptions& o) {
+  return rc::gen::exec([o] {
+    Case c;
+    Problem& p = c.p;
+    const Shape& s = o.shape;
+    const bool long_case =
+        s.long_cases && !o.q_longer && !o.equal_lengths && *unsized(rc::gen::inRange(0, 16)) == 0;
+
+    if (o.grouped) {
+      p.q_heads = *gen_size(2, std::max<std::int64_t>(2, s.max_heads));
+      p.kv_heads = *unsized(rc::gen::elementOf(divisors(p.q_heads, true)));
+    } else {
+      p.q_heads = *gen_size(1, s.max_heads);
+      p.kv_heads = *unsized(rc::gen::elementOf(divisors(p.q_heads, false)));
+    }
+    p.causal = o.causal < 0 ? *unsized(rc::gen::arbitrary<bool>()) : o.causal == 1;
+    double max_work = s.max_work;
+    if (long_case) {
+      p.batch = 1;
+      p.q_len = *unsized(rc::gen::inRange<std::int64_t>(1, 4));
+      p.kv_len = *gen_size(1, 32768);
+      p.head_dim = *gen_size(1, 4096);
+      max_work *= 2.0;
+    } else {
+      p.batch = *gen_size(1, s.max_batch);
+      p.head_dim = *gen_size(1, s.max_dim);
+      if (o.q_longer) {
+        p.kv_len = *gen_size(1, s.max_len - 1);
+        p.q_len = p.kv_len + *gen_size(1, s.max_len - p.kv_len);
+      } else {
+        p.kv_len = *gen_size(1, s.max_len);
+        const bool equal = o.equal_lengths || *unsized(rc::gen::inRange(0, 4)) == 0;
+        p.q_len = equal ? p.kv_len : *gen_size(1, s.max_len);
+      }
+    }
+    // Keep the work per case bounded: the reference is O(B H Lq Lk D) in double.
+    while (work(p) > max_work) {
+      if (p.batch > 1) {
+        p.batch = 1;
+      } else if (p.kv_len >= p.head_dim && p.kv_len >= p.q_len) {
+        p.kv_len = (p.kv_len + 1) / 2;
+      } else if (p.head_dim >= p.q_len) {
+        p.head_dim = (p.head_dim + 1) / 2;
+      } else {
+        p.q_len = (p.q_len + 1) / 2;
+      }
+    }
+    if (o.q_longer && p.q_len <= p.kv_len) p.q_len = p.kv_len + 1;
+    if (o.equal_lengths) p.q_len = p.kv_len = std::min(p.q_len, p.kv_len);
+
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+    if (o.any_scale && *unsized(rc::gen::inRange(0, 8)) == 0) {
+      const int exponent = *unsized(rc::gen::inRange(-4, 4));
+      const bool negative = *unsized(rc::gen::arbitrary<bool>());
+      p.scale = std::ldexp(negative ? -p.scale : p.scale, exponent);
+    }
+
+    const auto layout =
+        unsized(rc::gen::elementOf(std::vector<Layout>{Layout::token_major, Layout::head_major}));
+    c.q_layout = *layout;
+    c.kv_layout = *layout;
+    c.o_layout = *layout;
+    c.pad =
+        *unsized(rc::gen::arbitrary<bool>()) ? 0 : *unsized(rc::gen::inRange<std::int64_t>(1, 18));
+    c.misalign = *unsized(rc::gen::inRange<std::int64_t>(0, 16));
+    if (o.any_storage) {
+      c.storage = *unsized(rc::gen::elementOf(
+          std::vector<Storage>{Storage::separate, Storage::separate, Storage::fused_qkv,
+                               Storage::shared_kv, Storage::broadcast_batch}));
+      if (c.storage == Storage::fused_qkv && p.q_len != p.kv_len) c.storage = Storage::separate;
+    }
+    if (o.any_values) {
+      c.values = *unsized(rc::gen::weightedElement<Values>({{4, Values::uniform},
+                                                            {2, Values::large_logits},
+                                                            {1, Values::dominant_key},
+                                                            {1, Values::equal_keys},
+                                                            {1, Values::constant_v}}));
+    }
+    if (c.values == Values::large_logits) {
+      // q, k uniform in [-a, a]: logits have standard deviation about a^2/3 * |scale| *
+      // sqrt(D); pick a so that typical logits are 1..3000 (the largest about 1e4).
+      const double typical = std::pow(10.0, *unsized(rc::gen::inRange(0, 349)) / 100.0);
+      const double per_scale =
+          std::fabs(static_cast<double>(p.scale)) * std::sqrt(static_cast<double>(p.head_dim));
+      c.value_scale = std::sqrt(3.0 * typical / per_scale);
+    }
+    c.seed = *rc::gen::arbitrary<std::uint64_t>();
+    return c;
+  });
+}
+
+Guarded::Guarded(std::int64_t elements, std::int64_t misalign)
+    : elements_(elements), misalign_(misalign) {
+  float pattern;
+  std::memcpy(&pattern, &kPattern, sizeof pattern);
+  storage_.assign(static_cast<std::size_t>(2 * kGuard + misalign + elements), pattern);
+}
+
+bool Guarded::same_as(const std::vector<float>& snap) const {
+  return snap.size() == storage_.size() &&
+         std::memcmp(snap.data(), storage_.data(), snap.size() * sizeof(float)) == 0;
+}
+
+std::string Guarded::untouched_outside(const std::vector<bool>& is_element) const {
+  const auto bits = [](float f) {
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+  };
+  const std::int64_t begin = -(kGuard + misalign_);
+  const std::int64_t end = elements_ + kGuard;
+  const float* base = data();
+  for (std::int64_t i = begin; i < end; ++i) {
+    const bool element = i >= 0 && i < elements_ && is_element[static_cast<std::size_t>(i)];
+    if (!element && bits(base[i]) != kPattern) {
+      std::ostringstream os;
+      os << "offset " << i << " (tensor has " << elements_ << " floats) was written: " << base[i];
+      return os.str();
+    }
+  }
+  return std::string();
+}
+
+Inputs make_inputs(const Case& c) {
+  Inputs in;
+  Problem& p = in.p;
+  p = c.p;
+  const std::int64_t B = p.batch, H = p.q_heads, Hkv = p.kv_heads, D = p.head_dim;
+  p.q = padded_strides(c.q_layout, B, p.q_len, H, D, c.pad);
+  p.k = p.v = padded_strides(c.kv_layout, B, p.kv_len, Hkv, D, c.pad);
+  p.o = padded_strides(c.o_layout, B, p.q_len, H, D, c.pad);
+  p.lse = {H * (p.q_len + c.pad) + c.pad, p.q_len + c.pad};
+
+  // Offsets of q, k, v in one arena, 32 pattern floats apart.
+  std::int64_t q_off = 0, k_off = 0, v_off = 0, total = 0;
+  constexpr std::int64_t kGap = 32;
+  switch (c.storage) {
+    case Storage::fused_qkv: {
+      const std::int64_t head = D + c.pad;
+      const std::int64_t row = (H + 2 * Hkv) * head + c.pad;
+      p.q = p.k = p.v = {p.q_len * row + c.pad, row, head};
+      k_off = H * head;
+      v_off = (H + Hkv) * head;
+      total = v_off + v_extent(p);  // v's columns end each row
+      break;
+    }
+    case Storage::shared_kv:
+      k_off = v_off = q_extent(p) + kGap;
+      total = k_off + k_extent(p);
+      break;
+    case Storage::broadcast_batch:
+      p.k.batch = p.v.batch = 0;
+      [[fallthrough]];
+    case Storage::separate:
+      k_off = q_extent(p) + kGap;
+      v_off = k_off + k_extent(p) + kGap;
+      total = v_off + v_extent(p);
+      break;
+  }
+  in.arena = Guarded(total, c.misalign);
+  float* base = in.arena.data();
+  float* q = base + q_off;
+  float* k = base + k_off;
+  float* v = base + v_off;
+  in.q = q;
+  in.k = k;
+  in.v = v;
+
+  std::mt19937_64 rng(c.seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  const float a = static_cast<float>(c.values == Values::large_logits ? c.value_scale : 1.0);
+  // Per (batch, kv head, column) values for equal keys and constant v.
+  std::vector<float> row_k(static_cast<std::size_t>(B * Hkv * D)),
+      row_v(static_cast<std::size_t>(B * Hkv * D));
+  for (auto& x : row_k) x = unit(rng);
+  for (auto& x : row_v) x = unit(rng);
+  const auto at = [&](const std::vector<float>& t, std::int64_t b, std::int64_t h, std::int64_t d) {
+    return t[static_cast<std::size_t>((b * Hkv + h) * D + d)];
+  };
+  const std::int64_t dominant =
+      static_cast<std::int64_t>(c.seed % static_cast<std::uint64_t>(p.kv_len));
+
+  for_each_element(B, p.q_len, H, D, [&](auto b, auto l, auto h, auto d) {
+    float x = a * unit(rng);
+    if (c.values == Values::dominant_key && d == 0) x = 1.0f;
+    q[b * p.q.batch + l * p.q.seq + h * p.q.head + d] = x;
+  });
+  for_each_element(B, p.kv_len, Hkv, D, [&](auto b, auto l, auto h, auto d) {
+    float x = a * unit(rng);
+    if (c.values == Values::equal_keys) x = at(row_k, b, h, d);
+    if (c.values == Values::dominant_key && l == dominant && d == 0) x = 50.0f / p.scale;
+    k[b * p.k.batch + l * p.k.seq + h * p.k.head + d] = x;
+  });
+  if (c.storage != Storage::shared_kv) {
+    for_each_element(B, p.kv_len, Hkv, D, [&](auto b, auto l, auto h, auto d) {
+      const float x = c.values == Values::constant_v ? at(row_v, b, h, d) : unit(rng);
+      v[b * p.v.batch + l * p.v.seq + h * p.v.head + d] = x;
+    });
+  }
+  in.before = in.arena.snapshot();
+  return in;
+}
+
+namespace {
+
+std::vector<bool> element_mask(std::int64_t size, const Strides& s, std::int64_t batch,
+                               std::int64_t len, std::int64_t heads, std::int64_t dim) {
+  std::vector<bool> mask(static_cast<std::size_t>(size), false);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t l = 0; l < len; ++l)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const std::int64_t row = b * s.batch + l * s.seq + h * s.head;
+        std::fill_n(mask.begin() + row, dim, true);
+      }
+  return mask;
+}
+
+}  // namespace
+
+Outputs run(const KernelInfo& kernel, const Inputs& in, std::int64_t misalign) {
+  return run(kernel, in.p, in, in.q, in.k, in.v, misalign);
+}
+
+Outputs run(const KernelInfo& kernel, const Problem& p, const Inputs& in, const float* q,
+            const float* k, const float* v, std::int64_t misalign) {
+  Outputs out;
+  out.o = Guarded(o_extent(p), misalign);
+  out.lse = Guarded(lse_extent(p), (misalign + 3) % 16);
+  kernel.fn(p, q, k, v, out.o.data(), out.lse.data());
+
+  RC_ASSERT_FALSE(!in.arena.same_as(in.before));  // a kernel wrote into its inputs
+  const std::string o_guard = out.o.untouched_outside(
+      element_mask(out.o.size(), p.o, p.batch, p.q_len, p.q_heads, p.head_dim));
+  if (!o_guard.empty()) RC_FAIL(std::string(kernel.name) + " wrote outside o: " + o_guard);
+  const Strides lse_as_tensor{p.lse.batch, 1, p.lse.head};  // [b][i][h] with d = 1
+  const std::string lse_guard = out.lse.untouched_outside(
+      element_mask(out.lse.size(), lse_as_tensor, p.batch, p.q_len, p.q_heads, 1));
+  if (!lse_guard.empty()) RC_FAIL(std::string(kernel.name) + " wrote outside lse: " + lse_guard);
+  return out;
+}
+
+namespace {
+
+void fail(const std::string& what, const char* quantity, std::int64_t b, std::int64_t h,
+          std::int64_t i, std::int64_t d, double got, double want, double bound) {
+  std::ostringstream os;
+  os << std::setprecision(9) << what << ": " << quantity << "[b=" << b << "][h=" << h << "][i=" << i
+     << "]";
+  if (d >= 0) os << "[d=" << d << "]";
+  os << " = " << got << ", expected " << want << " (|diff| " << std::fabs(got - want) << ", bound "
+     << bound << ")";
+  RC_FAIL(os.str());
+}
+
+// `got` must equal `want` within `bound`, with non-finite values exactly where expected.
+bool close(double got, double want, double bound) {
+  if (std::isnan(want)) return std::isnan(got);
+  if (std::isinf(want)) return !std::isfinite(got);
+  return std::isfinite(got) && std::fabs(got - want) <= bound;
+}
+
+}  // namespace
+
+void expect_close(const Problem& p, const Outputs& out, const ref::Result& expected,
+                  const Tolerance& tol, double scale, const std::string& what) {
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      for (std::int64_t i = 0; i < p.q_len; ++i) {
+        const bool masked = visible_keys(p, i) == 0;
+        const std::size_t r = tol.row(b, h, i);
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          const double got = out.o_at(p, b, h, i, d);
+          const double want = expected.o_at(b, h, i, d);
+          const bool ok = masked ? got == 0.0 : close(got, want, scale * tol.o[r]);
+          if (!ok) fail(what, "o", b, h, i, d, got, want, scale * tol.o[r]);
+        }
+        const double got = out.lse_at(p, b, h, i);
+        const double want = expected.lse_at(b, h, i);
+        const bool ok =
+            masked ? got == neg_inf
+                   : (std::isinf(want) ? got == want : close(got, want, scale * tol.lse[r]));
+        if (!ok) fail(what, "lse", b, h, i, -1, got, want, scale * tol.lse[r]);
+      }
+    }
+  }
+}
+
+void expect_close(const Problem& p, const Outputs& out, const Problem& p2, const Outputs& out2,
+                  const Tolerance& tol, const std::string& what, std::int64_t row0) {
+  for (std::int64_t b = 0; b < p2.batch; ++b) {
+    for (std::int64_t h = 0; h < p2.q_heads; ++h) {
+      for (std::int64_t i = 0; i < p2.q_len; ++i) {
+        const std::size_t r = tol.row(b, h, row0 + i);
+        const bool masked = visible_keys(p, row0 + i) == 0;
+        for (std::int64_t d = 0; d < p2.head_dim; ++d) {
+          const double got = out2.o_at(p2, b, h, i, d);
+          const double want = out.o_at(p, b, h, row0 + i, d);
+          const bool ok = masked ? got == 0.0 && want == 0.0 : close(got, want, 2.0 * tol.o[r]);
+          if (!ok) fail(what, "o", b, h, row0 + i, d, got, want, 2.0 * tol.o[r]);
+        }
+        const double got = out2.lse_at(p2, b, h, i);
+        const double want = out.lse_at(p, b, h, row0 + i);
+        const bool ok = std::isinf(want) ? got == want : close(got, want, 2.0 * tol.lse[r]);
+        if (!ok) fail(what, "lse", b, h, row0 + i, -1, got, want, 2.0 * tol.lse[r]);
+      }
+    }
+  }
+}
+
+Dense gather(const float* t, const Strides& s, std::int64_t batch, std::int64_t len,
+             std::int64_t heads, std::int64_t dim) {
+  Dense out;
+  out.batch = batch;
+  out.len = len;
+  out.heads = heads;
+  out.dim = dim;
+  out.x.resize(static_cast<std::size_t>(batch * len * heads * dim));
+  for_each_element(batch, len, heads, dim, [&](auto b, auto l, auto h, auto d) {
+    out.at(b, l, h, d) = t[b * s.batch + l * s.seq + h * s.head + d];
+  });
+  return out;
+}
+
+Inputs dense_inputs(const Problem& shape, const Dense& q, const Dense& k, const Dense& v,
+                    std::int64_t misalign) {
+  Inputs in;
+  Problem& p = in.p;
+  p = shape;
+  p.q = p.o = dense_strides(Layout::token_major, p.q_len, p.q_heads, p.head_dim);
+  p.k = p.v = dense_strides(Layout::token_major, p.kv_len, p.kv_heads, p.head_dim);
+  p.lse = {p.q_heads * p.q_len, p.q_len};
+  constexpr std::int64_t kGap = 32;
+  const std::int64_t k_off = static_cast<std::int64_t>(q.x.size()) + kGap;
+  const std::int64_t v_off = k_off + static_cast<std::int64_t>(k.x.size()) + kGap;
+  in.arena = Guarded(v_off + static_cast<std::int64_t>(v.x.size()), misalign);
+  in.q = in.arena.data();
+  in.k = in.q + k_off;
+  in.v = in.q + v_off;
+  std::copy(q.x.begin(), q.x.end(), in.q);
+  std::copy(k.x.begin(), k.x.end(), in.k);
+  std::copy(v.x.begin(), v.x.end(), in.v);
+  in.before = in.arena.snapshot();
+  return in;
+}
+
+void check_equivalence(const KernelInfo& kernel, const Case& c) {
+  const Inputs in = make_inputs(c);
+  const Outputs out = run(kernel, in, (c.misalign + 5) % 16);
+  const ref::Result expected = ref::attention(in.p, in.q, in.k, in.v);
+  const Tolerance tol = tolerance(in.p, in.q, in.k, in.v, kernel.exp_ulp);
+  expect_close(in.p, out, expected, tol, 1.0, std::string(kernel.name) + " vs reference");
+}
+
+}  // namespace mha::test

@@ -1,0 +1,202 @@
+// Test harness: generated attention cases, guarded buffers, running a kernel and comparing
+// its outputs with the reference under the shared tolerance.
+#pragma once
+
+#include <mha/attention.h>
+#include <mha/registry.h>
+#include <rapidcheck.h>
+
+#include <cstdint>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "reference.h"
+#include "tolerance.h"
+
+namespace mha::test {
+
+/// How the input values are drawn; each stresses the softmax differently.
+enum class Values {
+  uniform,       ///< q, k, v uniform in [-1, 1]
+  large_logits,  ///< q, k scaled so logits reach up to about 1e4 in magnitude
+  dominant_key,  ///< one key's logit exceeds all others' by about 50 in every row
+  equal_keys,    ///< every key of a head equal: all logits of a row equal
+  constant_v,    ///< v constant along the sequence (per head and column)
+};
+
+/// How q, k and v sit in memory.
+enum class Storage {
+  separate,        ///< three buffers
+  fused_qkv,       ///< one token-major [B][L][(H + 2 Hkv) D + pad] buffer (needs Lq == Lk)
+  shared_kv,       ///< k and v are the same memory
+  broadcast_batch  ///< k and v have batch stride 0
+};
+
+/// One generated test case: a problem plus how its inputs are laid out and filled.
+struct Case {
+  Problem p;
+  Layout q_layout = Layout::token_major, kv_layout = Layout::token_major,
+         o_layout = Layout::token_major;
+  std::int64_t pad = 0;       ///< extra elements added to every outer stride
+  std::int64_t misalign = 0;  ///< floats added to every base pointer (0..15)
+  Storage storage = Storage::separate;
+  Values values = Values::uniform;
+  double value_scale = 1.0;  ///< multiplies q and k for large_logits
+  std::uint64_t seed = 0;    ///< for the values
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c);
+void showValue(const Case& c, std::ostream& os);
+
+/// Limits for generated shapes.
+struct Shape {
+  std::int64_t max_batch = 3;
+  std::int64_t max_heads = 16;
+  std::int64_t max_len = 300;
+  std::int64_t max_dim = 300;
+  double max_work = 16777216.0;  ///< cap on B * H * Lq * Lk * D (2^24)
+  bool long_cases = true;        ///< 1 in 16: Lq <= 3, Lk <= 32768, D <= 4096
+};
+
+/// Options for the case generator beyond shape.
+struct CaseOptions {
+  Shape shape;
+  int causal = -1;             ///< -1 either, 0 off, 1 on
+  bool q_longer = false;       ///< force q_len > kv_len (causal: leading rows see no key)
+  bool grouped = false;        ///< force 1 <= kv_heads < q_heads
+  bool any_storage = true;     ///< vary Storage; false keeps separate buffers
+  bool any_values = true;      ///< vary Values; false keeps uniform
+  bool any_scale = true;       ///< sometimes a non-default (possibly negative) scale
+  bool equal_lengths = false;  ///< force q_len == kv_len (prefill)
+};
+
+rc::Gen<Case> gen_case(const CaseOptions& options = CaseOptions());
+
+/// RapidCheck grows most generators' ranges with the test's size (small cases first).
+/// Choices of kind (layout, value distribution, storage, a position to poison, ...) must
+/// keep their stated odds at every size, so they are drawn at the nominal size.
+template <typename T>
+rc::Gen<T> unsized(rc::Gen<T> g) {
+  return rc::gen::resize(rc::kNominalSize, std::move(g));
+}
+
+/// Strides for a [batch][len][heads][dim] tensor in `layout` with `pad` added to each outer
+/// stride.
+Strides padded_strides(Layout layout, std::int64_t batch, std::int64_t len, std::int64_t heads,
+                       std::int64_t dim, std::int64_t pad);
+
+/// A float buffer surrounded by guard zones and filled with one NaN bit pattern, so that
+/// any write outside the tensor's elements shows as a changed bit pattern and any read of
+/// a non-element shows as NaN in the output.
+class Guarded {
+ public:
+  static constexpr std::uint32_t kPattern = 0x7FC0DEADu;  // a quiet NaN with a payload
+  static constexpr std::int64_t kGuard = 64;              // floats before and after
+
+  Guarded() = default;
+  Guarded(std::int64_t elements, std::int64_t misalign);
+  float* data() { return storage_.data() + kGuard + misalign_; }
+  const float* data() const { return storage_.data() + kGuard + misalign_; }
+  std::int64_t size() const { return elements_; }
+  /// Offsets (relative to data()) that are not elements of the tensor must still hold the
+  /// pattern; returns a description of the first that does not, or "".
+  std::string untouched_outside(const std::vector<bool>& is_element) const;
+  std::vector<float> snapshot() const { return storage_; }
+  bool same_as(const std::vector<float>& snap) const;
+
+ private:
+  std::vector<float> storage_;
+  std::int64_t elements_ = 0, misalign_ = 0;
+};
+
+/// The inputs of a case, laid out and filled as the case says.
+struct Inputs {
+  Problem p;
+  Guarded arena;
+  float *q = nullptr, *k = nullptr, *v = nullptr;
+  std::vector<float> before;  ///< snapshot of the arena, to prove inputs are not written
+};
+Inputs make_inputs(const Case& c);
+
+/// A dense token-major copy of one logical tensor, [batch][len][heads][dim].
+struct Dense {
+  std::int64_t batch = 0, len = 0, heads = 0, dim = 0;
+  std::vector<float> x;
+  static Dense zeros(std::int64_t batch, std::int64_t len, std::int64_t heads, std::int64_t dim) {
+    return {batch, len, heads, dim,
+            std::vector<float>(static_cast<std::size_t>(batch * len * heads * dim), 0.0f)};
+  }
+  float& at(std::int64_t b, std::int64_t l, std::int64_t h, std::int64_t d) {
+    return x[static_cast<std::size_t>(((b * len + l) * heads + h) * dim + d)];
+  }
+};
+Dense gather(const float* t, const Strides& s, std::int64_t batch, std::int64_t len,
+             std::int64_t heads, std::int64_t dim);
+
+/// Inputs for `shape` (sizes, causal, scale) holding these dense tensors, token-major, in
+/// separate guarded regions of one arena.
+Inputs dense_inputs(const Problem& shape, const Dense& q, const Dense& k, const Dense& v,
+                    std::int64_t misalign);
+
+/// Writes (b, l, h, d) element values of one tensor.
+template <typename F>
+void for_each_element(std::int64_t batch, std::int64_t len, std::int64_t heads, std::int64_t dim,
+                      F&& f) {
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t l = 0; l < len; ++l)
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t d = 0; d < dim; ++d) f(b, l, h, d);
+}
+
+/// Outputs of one kernel call, in guarded buffers.
+struct Outputs {
+  Guarded o, lse;
+  float o_at(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
+             std::int64_t d) const {
+    return o.data()[b * p.o.batch + i * p.o.seq + h * p.o.head + d];
+  }
+  float lse_at(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i) const {
+    return lse.data()[b * p.lse.batch + h * p.lse.head + i];
+  }
+};
+
+/// Runs `kernel` on the inputs (with lse requested) and asserts (RC_ASSERT) that nothing
+/// outside o's and lse's elements was written, inputs included.
+Outputs run(const KernelInfo& kernel, const Inputs& in, std::int64_t misalign = 0);
+
+/// The same for a problem `p` over the inputs' arena at other pointers (slices, chunks).
+Outputs run(const KernelInfo& kernel, const Problem& p, const Inputs& in, const float* q,
+            const float* k, const float* v, std::int64_t misalign = 0);
+
+/// Asserts that out matches the reference within tol: finite values within the bound,
+/// non-finite values exactly where the reference has them, exact zeros and -inf for rows
+/// that see no key. `scale` multiplies the tolerance (2 when both sides are kernels).
+void expect_close(const Problem& p, const Outputs& out, const ref::Result& expected,
+                  const Tolerance& tol, double scale, const std::string& what);
+
+/// The same against another kernel's outputs: rows [row0, row0 + p2.q_len) of (p, out)
+/// against all rows of (p2, out2), within twice the tolerance (each side is within tol of
+/// the exact result). `tol` is indexed like p.
+void expect_close(const Problem& p, const Outputs& out, const Problem& p2, const Outputs& out2,
+                  const Tolerance& tol, const std::string& what, std::int64_t row0 = 0);
+
+/// The full equivalence property: reference vs kernel on one case.
+void check_equivalence(const KernelInfo& kernel, const Case& c);
+
+/// Runs a RapidCheck property inside the current GoogleTest test, like RC_GTEST_PROP does:
+/// RC_PARAMS controls counts and seeds, a failure prints the shrunk case and its
+/// `reproduce` string.
+template <typename Testable>
+void check_property(Testable&& testable);
+
+}  // namespace mha::test
+
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+template <typename Testable>
+void mha::test::check_property(Testable&& testable) {
+  rc::detail::checkGTest(std::forward<Testable>(testable));
+}

@@ -1,0 +1,341 @@
+// Properties that need no oracle: transformations of a problem whose effect on the output
+// is known exactly. Each runs once per registry kernel.
+#include <rapidcheck.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "harness.h"
+#include "kernel_test.h"
+
+namespace mha::test {
+namespace {
+
+class Metamorphic : public KernelTest {};
+
+// Grouped-query attention is multi-head attention with each KV head repeated for the g
+// query heads that read it.
+TEST_P(Metamorphic, GqaEqualsRepeatedKvMha) {
+  CaseOptions options;
+  options.grouped = true;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+
+    const std::int64_t g = p.q_heads / p.kv_heads;
+    const Dense q = gather(in.q, p.q, p.batch, p.q_len, p.q_heads, p.head_dim);
+    Dense k = gather(in.k, p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim);
+    Dense v = gather(in.v, p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim);
+    Dense k_rep = Dense::zeros(p.batch, p.kv_len, p.q_heads, p.head_dim);
+    Dense v_rep = k_rep;
+    for_each_element(p.batch, p.kv_len, p.q_heads, p.head_dim, [&](auto b, auto l, auto h, auto d) {
+      k_rep.at(b, l, h, d) = k.at(b, l, h / g, d);
+      v_rep.at(b, l, h, d) = v.at(b, l, h / g, d);
+    });
+    Problem mha = p;
+    mha.kv_heads = p.q_heads;
+    const Inputs in2 = dense_inputs(mha, q, k_rep, v_rep, c.misalign);
+    const Outputs out2 = run(kernel(), in2);
+    expect_close(p, out, in2.p, out2, tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
+                 "GQA vs repeated-KV MHA");
+  });
+}
+
+// Without a mask, the order of the keys does not matter as long as values move with them.
+TEST_P(Metamorphic, KvPermutationInvariance) {
+  CaseOptions options;
+  options.causal = 0;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+
+    std::vector<std::int64_t> perm(static_cast<std::size_t>(p.kv_len));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(c.seed ^ 0x5bd1e995u));
+    const Dense q = gather(in.q, p.q, p.batch, p.q_len, p.q_heads, p.head_dim);
+    const Dense k = gather(in.k, p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim);
+    const Dense v = gather(in.v, p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim);
+    Dense k2 = k, v2 = v;
+    for_each_element(
+        p.batch, p.kv_len, p.kv_heads, p.head_dim, [&](auto b, auto l, auto h, auto d) {
+          k2.at(b, l, h, d) = k.x[static_cast<std::size_t>(
+              ((b * p.kv_len + perm[static_cast<std::size_t>(l)]) * p.kv_heads + h) * p.head_dim +
+              d)];
+          v2.at(b, l, h, d) = v.x[static_cast<std::size_t>(
+              ((b * p.kv_len + perm[static_cast<std::size_t>(l)]) * p.kv_heads + h) * p.head_dim +
+              d)];
+        });
+    const Inputs in2 = dense_inputs(p, q, k2, v2, c.misalign);
+    const Outputs out2 = run(kernel(), in2);
+    expect_close(p, out, in2.p, out2, tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
+                 "keys and values permuted");
+  });
+}
+
+// Softmax weights sum to one, so a value column that is constant along the sequence comes
+// out unchanged: only the accumulation errors remain, whatever the logits.
+TEST_P(Metamorphic, ConstantValuesComeOutUnchanged) {
+  check_property([&] {
+    Case c = *gen_case();
+    c.values = Values::constant_v;
+    if (c.storage == Storage::shared_kv) c.storage = Storage::separate;
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+    const std::int64_t g = p.q_heads / p.kv_heads;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.q_heads; ++h)
+        for (std::int64_t i = 0; i < p.q_len; ++i) {
+          const std::int64_t n = visible_keys(p, i);
+          if (n == 0) continue;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            const double want = in.v[b * p.v.batch + (h / g) * p.v.head + d];
+            const double bound = accumulation_factor(static_cast<double>(n)) * std::fabs(want);
+            const double got = out.o_at(p, b, h, i, d);
+            RC_ASSERT(std::fabs(got - want) <= bound);
+          }
+        }
+  });
+}
+
+// Each output is a convex combination of the visible value rows, so it lies within their
+// per-column minimum and maximum (up to the accumulation error).
+TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
+  check_property([&] {
+    const Case c = *gen_case();
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+    const Tolerance tol = tolerance(p, in.q, in.k, in.v, kernel().exp_ulp);
+    const std::int64_t g = p.q_heads / p.kv_heads;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.q_heads; ++h)
+        for (std::int64_t i = 0; i < p.q_len; ++i) {
+          const std::int64_t n = visible_keys(p, i);
+          const double slack = tol.accumulation[tol.row(b, h, i)];
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+            for (std::int64_t j = 0; j < n; ++j) {
+              const double x = in.v[b * p.v.batch + j * p.v.seq + (h / g) * p.v.head + d];
+              lo = std::min(lo, x);
+              hi = std::max(hi, x);
+            }
+            const double got = out.o_at(p, b, h, i, d);
+            if (n == 0) {
+              RC_ASSERT(got == 0.0);
+            } else if (!(got >= lo - slack && got <= hi + slack)) {
+              RC_FAIL("o[b=" + std::to_string(b) + "][h=" + std::to_string(h) +
+                      "][i=" + std::to_string(i) + "][d=" + std::to_string(d) +
+                      "] = " + std::to_string(got) + " outside [" + std::to_string(lo) + ", " +
+                      std::to_string(hi) + "]");
+            }
+          }
+        }
+  });
+}
+
+// The same logical tensors in token-major and head-major memory give the same result.
+TEST_P(Metamorphic, LayoutsAgree) {
+  check_property([&] {
+    const Case c = *gen_case();
+    Case flipped = c;
+    const auto flip = [](Layout l) {
+      return l == Layout::token_major ? Layout::head_major : Layout::token_major;
+    };
+    flipped.q_layout = flip(c.q_layout);
+    flipped.kv_layout = flip(c.kv_layout);
+    flipped.o_layout = flip(c.o_layout);
+    if (flipped.storage == Storage::fused_qkv) flipped.storage = Storage::separate;
+    const Inputs in = make_inputs(c);
+    const Inputs in2 = make_inputs(flipped);
+    const Outputs out = run(kernel(), in);
+    const Outputs out2 = run(kernel(), in2);
+    expect_close(in.p, out, in2.p, out2, tolerance(in.p, in.q, in.k, in.v, kernel().exp_ulp),
+                 "token-major vs head-major");
+  });
+}
+
+// Query rows [r0, r1) form a problem of their own: causal alignment is bottom-right, so the
+// slice keeps the keys up to kv_len - q_len + r1 (none when that is <= 0).
+TEST_P(Metamorphic, RowSlicesAreProblemsOfTheirOwn) {
+  check_property([&] {
+    const Case c = *gen_case();
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+    const std::int64_t r0 = *unsized(rc::gen::inRange<std::int64_t>(0, p.q_len));
+    const std::int64_t r1 = *unsized(rc::gen::inRange<std::int64_t>(r0 + 1, p.q_len + 1));
+    Problem slice = p;
+    slice.q_len = r1 - r0;
+    if (p.causal) slice.kv_len = p.kv_len - p.q_len + r1;
+    if (slice.kv_len <= 0) {  // every row of the slice sees no key
+      for (std::int64_t i = r0; i < r1; ++i) RC_ASSERT(visible_keys(p, i) == 0);
+      return;
+    }
+    const Outputs part = run(kernel(), slice, in, in.q + r0 * p.q.seq, in.k, in.v, 7);
+    expect_close(p, out, slice, part, tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
+                 "rows [" + std::to_string(r0) + ", " + std::to_string(r1) + ") alone", r0);
+  });
+}
+
+// Decoding one token at a time over a growing cache gives the causal prefill: row i is the
+// problem Lq = 1 over the keys it sees.
+TEST_P(Metamorphic, DecodeStepsEqualCausalPrefill) {
+  CaseOptions options;
+  options.causal = 1;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+    const Tolerance tol = tolerance(p, in.q, in.k, in.v, kernel().exp_ulp);
+    // Every row would cost Lq kernel calls; a sample of 8 keeps the property cheap.
+    for (int t = 0; t < 8; ++t) {
+      const std::int64_t i = *unsized(rc::gen::inRange<std::int64_t>(0, p.q_len));
+      const std::int64_t n = visible_keys(p, i);
+      if (n == 0) continue;
+      Problem step = p;
+      step.q_len = 1;
+      step.kv_len = n;
+      const Outputs one = run(kernel(), step, in, in.q + i * p.q.seq, in.k, in.v, 3);
+      expect_close(p, out, step, one, tol, "decode step for row " + std::to_string(i), i);
+    }
+  });
+}
+
+// Causal rows that see no key (q_len > kv_len) are exactly zero with lse = -inf, never NaN.
+TEST_P(Metamorphic, FullyMaskedRowsAreZeros) {
+  CaseOptions options;
+  options.causal = 1;
+  options.q_longer = true;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const Outputs out = run(kernel(), in);
+    const std::int64_t masked = p.q_len - p.kv_len;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.q_heads; ++h)
+        for (std::int64_t i = 0; i < masked; ++i) {
+          for (std::int64_t d = 0; d < p.head_dim; ++d) RC_ASSERT(out.o_at(p, b, h, i, d) == 0.0f);
+          RC_ASSERT(out.lse_at(p, b, h, i) == -std::numeric_limits<float>::infinity());
+        }
+  });
+}
+
+// A NaN (or an Inf in v) reaches every output it touches and no other.
+TEST_P(Metamorphic, NonFiniteInputsPropagate) {
+  check_property([&] {
+    Case c = *gen_case();
+    c.storage = Storage::separate;  // one poisoned element must be one logical element
+    Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const int tensor = *unsized(rc::gen::inRange(0, 3));  // q, k, v
+    const bool inf = tensor == 2 && *unsized(rc::gen::arbitrary<bool>());
+    const float poison =
+        inf ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+    const std::int64_t b0 = *unsized(rc::gen::inRange<std::int64_t>(0, p.batch));
+    const std::int64_t heads = tensor == 0 ? p.q_heads : p.kv_heads;
+    const std::int64_t h0 = *unsized(rc::gen::inRange<std::int64_t>(0, heads));
+    const std::int64_t l0 =
+        *unsized(rc::gen::inRange<std::int64_t>(0, tensor == 0 ? p.q_len : p.kv_len));
+    const std::int64_t d0 = *unsized(rc::gen::inRange<std::int64_t>(0, p.head_dim));
+    const Strides& s = tensor == 0 ? p.q : (tensor == 1 ? p.k : p.v);
+    float* base = tensor == 0 ? in.q : (tensor == 1 ? in.k : in.v);
+    base[b0 * s.batch + l0 * s.seq + h0 * s.head + d0] = poison;
+    in.before = in.arena.snapshot();
+    const Outputs out = run(kernel(), in);
+
+    const std::int64_t g = p.q_heads / p.kv_heads;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.q_heads; ++h)
+        for (std::int64_t i = 0; i < p.q_len; ++i) {
+          const std::int64_t n = visible_keys(p, i);
+          const bool same_kv = b == b0 && h / g == h0 && l0 < n;
+          const bool row_hit =
+              n > 0 && ((tensor == 0 && b == b0 && h == h0 && i == l0) || (tensor == 1 && same_kv));
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            const bool hit = row_hit || (tensor == 2 && same_kv && d == d0);
+            const float got = out.o_at(p, b, h, i, d);
+            RC_ASSERT(std::isfinite(got) != hit);
+          }
+          RC_ASSERT(std::isnan(out.lse_at(p, b, h, i)) == row_hit);
+        }
+    // Everything else still matches the reference.
+    expect_close(p, out, ref::attention(p, in.q, in.k, in.v),
+                 tolerance(p, in.q, in.k, in.v, kernel().exp_ulp), 1.0, "with one poisoned input");
+  });
+}
+
+// Partial results over KV chunks merged by their lse equal the whole (mha::merge). Chunks
+// of a causal problem end at or before key kv_len - q_len + 1 (seen whole by every row,
+// so non-causal) except the last, which stays causal.
+TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
+  check_property([&] {
+    const Case c = *gen_case();
+    const Inputs in = make_inputs(c);
+    const Problem& p = in.p;
+    const std::int64_t last_split =
+        p.causal ? std::min(p.kv_len, p.kv_len - p.q_len + 1) : p.kv_len;
+    std::vector<std::int64_t> cuts = {0};
+    if (last_split > 1) {
+      const int n_cuts = *unsized(rc::gen::inRange(1, 4));
+      for (int t = 0; t < n_cuts; ++t) {
+        cuts.push_back(*unsized(rc::gen::inRange<std::int64_t>(1, last_split)));
+      }
+    }
+    cuts.push_back(p.kv_len);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+
+    std::vector<Outputs> parts;
+    std::vector<const float*> part_o, part_lse;
+    for (std::size_t t = 0; t + 1 < cuts.size(); ++t) {
+      Problem chunk = p;
+      chunk.kv_len = cuts[t + 1] - cuts[t];
+      chunk.causal = p.causal && t + 2 == cuts.size();
+      parts.push_back(run(kernel(), chunk, in, in.q, in.k + cuts[t] * p.k.seq,
+                          in.v + cuts[t] * p.v.seq, static_cast<std::int64_t>(t)));
+    }
+    for (const Outputs& part : parts) {
+      part_o.push_back(part.o.data());
+      part_lse.push_back(part.lse.data());
+    }
+    Outputs merged;
+    merged.o = Guarded(o_extent(p), 1);
+    merged.lse = Guarded(lse_extent(p), 2);
+    Parts list;
+    list.count = static_cast<int>(parts.size());
+    list.o = part_o.data();
+    list.lse = part_lse.data();
+    list.o_strides = p.o;
+    list.lse_strides = p.lse;
+    merge(p, list, merged.o.data(), merged.lse.data());
+
+    // Each part is within the whole problem's tolerance (fewer keys, same maxima); merging
+    // perturbs the part weights exp(lse_c - m) by at most the lse tolerance and adds the
+    // accumulation error of `count` terms.
+    Tolerance tol = tolerance(p, in.q, in.k, in.v, kernel().exp_ulp);
+    const double count = static_cast<double>(parts.size());
+    for (std::size_t r = 0; r < tol.o.size(); ++r) {
+      const double eta = std::exp(2.0 * tol.lse[r]) * (1.0 + 2.0 * std::ldexp(1.0, -24)) - 1.0;
+      const double weights = eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0;
+      tol.o[r] += (weights + accumulation_factor(count)) * tol.v_max[r];
+      tol.lse[r] += std::log1p(eta) + accumulation_factor(count);
+    }
+    expect_close(p, merged, ref::attention(p, in.q, in.k, in.v), tol, 1.0,
+                 "merged over " + std::to_string(parts.size()) + " KV chunks");
+  });
+}
+
+MHA_INSTANTIATE_FOR_KERNELS(Metamorphic);
+
+}  // namespace
+}  // namespace mha::test

@@ -1,0 +1,80 @@
+// The one tolerance every kernel is held to, derived from the inputs. Its only per-kernel
+// input is the declared error of the kernel's exp (registry.inc).
+//
+// Model: every fp32 operation rounds with relative error at most u = 2^-24, and
+// gamma(n) = n u / (1 - n u) bounds the relative error of n chained roundings (Higham,
+// "Accuracy and Stability of Numerical Algorithms", 3.1). The reference is double and its
+// own error (about 2^-53 relative) is negligible against these bounds. For one output row
+// (batch b, head h, query i) with n >= 1 visible keys:
+//
+// 1. Logits. With A = |scale| * max_j sum_d |q_d k_jd| over the visible keys, a kernel's
+//    computed exponent x_j = s_j - m (or its base-2 form) is off by at most
+//      delta = gamma(D + 5) * A
+//    from the exact one: D roundings in the dot product, one for the scale (or for
+//    pre-scaling q), two for a log2(e) factor and its rounded constant, and the subtraction
+//    of the max, whose result is at most 2A in magnitude (counted as two more).
+//    Any common shift of all x_j cancels in the softmax, so which max is subtracted (the
+//    true one or a running one) does not matter.
+// 2. Weights. w_j = exp(x_j) then has relative error at most
+//      eta = exp(delta) * (1 + exp_ulp * 2^-23) - 1,
+//    since one ulp is at most 2^-23 relative. Normalized weights p_j = w_j / sum w then
+//    move by at most sum_j |p'_j - p_j| <= min(2, 2 eta / (1 - eta)), so with V = the largest |v|
+//    over the visible keys and all columns, the exact softmax of the perturbed weights is
+//    within that times V of the true output. (The cap 2 only matters when the logits are so
+//    large against 2^24 / D that fp32 cannot resolve them; such rows are still checked for
+//    finiteness, range and lse.)
+// 3. Accumulation. The numerator sum_j w_j v_j and the denominator sum_j w_j are each
+//    computed with relative error gamma(M), M = 2n + 2: n - 1 additions, the products,
+//    and up to n rescalings by a running-max correction (online softmax applies the same
+//    factor to both, so the factor's own exp error cancels; its roundings do not). Their
+//    quotient is then within 2 gamma(M) / (1 - gamma(M)) * V of step 2's value, and the
+//    division rounds once more (u * (1 + that) * V).
+// 4. Underflow. Weights below 2^-126 may flush to zero in vectorized exps; relative to the
+//    largest weight (1) each loses at most 2^-125, so n * 2^-125 * V more.
+//
+//    tol_o   = [min(2, 2 eta/(1-eta)) + 2 gamma(M)/(1-gamma(M)) + u (1 + 2 gamma(M)/(1-gamma(M)))
+//               + n 2^-125] * V
+//
+// 5. lse = m + log(sum_j w_j). The log of the perturbed sum is off by at most
+//    log(1 + eta) - log(1 - gamma(M)); adding m and taking the log (and a base change for
+//    exp2-based kernels) round a few times more on values at most |m| + log(n) <= A + log n:
+//
+//    tol_lse = log(1 + eta) - log(1 - gamma(M)) + (4 + exp_ulp) * 2u * (A + log(n) + 1)
+//
+// Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
+// loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
+// head mapping, a doubled scale, a skipped key, a dropped tail of D or lse in the wrong
+// base all fail it (the mutant tests prove it for each).
+#pragma once
+
+#include <mha/attention.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace mha::test {
+
+/// Per-row bounds, indexed like ref::Result's lse: [batch][q_heads][q_len].
+struct Tolerance {
+  std::int64_t q_heads = 0, q_len = 0;
+  std::vector<double> o;             ///< bound on |o - o_exact| for every column of the row
+  std::vector<double> lse;           ///< bound on |lse - lse_exact|
+  std::vector<double> accumulation;  ///< steps 3 and 4 alone (for weight-free checks)
+  std::vector<double> v_max;         ///< V: largest |v| over the row's visible keys
+
+  std::size_t row(std::int64_t b, std::int64_t h, std::int64_t i) const {
+    return static_cast<std::size_t>((b * q_heads + h) * q_len + i);
+  }
+};
+
+/// gamma(n) = n u / (1 - n u) with u = 2^-24.
+double gamma(double n);
+
+/// Steps 3 and 4 as a relative factor, for n terms: the accumulation bound divided by V.
+double accumulation_factor(double n);
+
+/// The bounds above for every row of p over its inputs.
+Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
+                    double exp_ulp);
+
+}  // namespace mha::test

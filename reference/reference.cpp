@@ -1,0 +1,63 @@
+#include "reference.h"
+
+#include <cmath>
+#include <limits>
+
+namespace mha::ref {
+
+Result attention(const Problem& p, const float* q, const float* k, const float* v,
+                 std::int64_t row_begin, std::int64_t row_end) {
+  if (row_end < 0) row_end = p.q_len;
+  Result r;
+  r.q_heads = p.q_heads;
+  r.q_len = p.q_len;
+  r.head_dim = p.head_dim;
+  r.o.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_len * p.head_dim), 0.0);
+  r.lse.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_len),
+               -std::numeric_limits<double>::infinity());
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  std::vector<double> score(static_cast<std::size_t>(p.kv_len));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      const std::int64_t kv_head = h / group;
+      for (std::int64_t i = row_begin; i < row_end; ++i) {
+        const std::int64_t n = visible_keys(p, i);
+        if (n == 0) continue;
+        const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
+        // Pass 1: logits (float products are exact in double) and their max.
+        double m = -std::numeric_limits<double>::infinity();
+        bool nan = false;
+        for (std::int64_t j = 0; j < n; ++j) {
+          const float* k_row = k + b * p.k.batch + j * p.k.seq + kv_head * p.k.head;
+          double dot = 0.0;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            dot += static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
+          }
+          score[static_cast<std::size_t>(j)] = static_cast<double>(p.scale) * dot;
+          nan |= std::isnan(score[static_cast<std::size_t>(j)]);
+          m = std::fmax(m, score[static_cast<std::size_t>(j)]);
+        }
+        if (nan) m = std::numeric_limits<double>::quiet_NaN();
+        // Pass 2: weights, their sum, and the weighted sum of values.
+        double sum = 0.0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          score[static_cast<std::size_t>(j)] = std::exp(score[static_cast<std::size_t>(j)] - m);
+          sum += score[static_cast<std::size_t>(j)];
+        }
+        double* o_row =
+            &r.o[static_cast<std::size_t>(((b * p.q_heads + h) * p.q_len + i) * p.head_dim)];
+        for (std::int64_t j = 0; j < n; ++j) {
+          const float* v_row = v + b * p.v.batch + j * p.v.seq + kv_head * p.v.head;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            o_row[d] += score[static_cast<std::size_t>(j)] * static_cast<double>(v_row[d]);
+          }
+        }
+        for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] /= sum;
+        r.lse[static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i)] = m + std::log(sum);
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace mha::ref
