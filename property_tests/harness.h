@@ -17,6 +17,10 @@
 
 namespace mha::test {
 
+using ref::accumulation_factor;
+using ref::Tolerance;
+using ref::tolerance;
+
 /// How the input values are drawn; each stresses the softmax differently.
 enum class Values {
   uniform,       ///< q, k, v uniform in [-1, 1]

@@ -52,7 +52,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace mha::test {
+namespace mha::ref {
 
 /// Per-row bounds, indexed like ref::Result's lse: [batch][q_heads][q_len].
 struct Tolerance {
@@ -73,8 +73,9 @@ double gamma(double n);
 /// Steps 3 and 4 as a relative factor, for n terms: the accumulation bound divided by V.
 double accumulation_factor(double n);
 
-/// The bounds above for every row of p over its inputs.
+/// The bounds above for every row of p over its inputs (only rows [row_begin, row_end) of
+/// every head when given; the others stay 0).
 Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
-                    double exp_ulp);
+                    double exp_ulp, std::int64_t row_begin = 0, std::int64_t row_end = -1);
 
-}  // namespace mha::test
+}  // namespace mha::ref

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-namespace mha::test {
+namespace mha::ref {
 
 namespace {
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24, unit roundoff of fp32
@@ -18,7 +18,8 @@ double accumulation_factor(double n) {
 }
 
 Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
-                    double exp_ulp) {
+                    double exp_ulp, std::int64_t row_begin, std::int64_t row_end) {
+  if (row_end < 0) row_end = p.q_len;
   Tolerance t;
   t.q_heads = p.q_heads;
   t.q_len = p.q_len;
@@ -32,7 +33,7 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
-      for (std::int64_t i = 0; i < p.q_len; ++i) {
+      for (std::int64_t i = row_begin; i < row_end; ++i) {
         const std::int64_t n = visible_keys(p, i);
         if (n == 0) continue;  // exact zeros and -inf are required
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
@@ -66,4 +67,4 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
   return t;
 }
 
-}  // namespace mha::test
+}  // namespace mha::ref

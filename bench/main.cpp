@@ -1,0 +1,486 @@
+// mha_bench: every registry kernel and the composed baselines across prefill, decode, head
+// and KV-sharing sweeps, with this machine's own limits measured in the same run.
+//
+// Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>/threads:<n>
+// Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac (see README).
+#include <benchmark/benchmark.h>
+#include <mha/attention.h>
+#include <mha/registry.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "composed.h"
+#include "probe.h"
+#include "reference.h"
+#include "tolerance.h"
+
+#if MHA_HAVE_OPENBLAS
+#include <cblas.h>
+#endif
+#if MHA_HAVE_ONEDNN
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
+#if MHA_HAVE_COMMIT_HEADER
+#include "commit.h"  // generated at build time: MHA_COMMIT
+#endif
+#ifndef MHA_COMMIT
+#define MHA_COMMIT "unknown"
+#endif
+#ifndef MHA_COMPILER
+#define MHA_COMPILER "unknown"
+#endif
+#ifndef MHA_FLAGS
+#define MHA_FLAGS "unknown"
+#endif
+
+namespace mha::bench {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// What is measured
+
+enum class Size { quick, standard, full };
+
+struct Shape {
+  std::string family;  // prefill, decode, heads
+  std::int64_t batch, heads, kv_heads, q_len, kv_len, dim;
+  bool causal;
+  int threads;
+
+  std::string name(const std::string& impl) const {
+    std::ostringstream os;
+    os << family << "/" << impl << "/B:" << batch << "/H:" << heads << "/Hkv:" << kv_heads
+       << "/Lq:" << q_len << "/Lk:" << kv_len << "/D:" << dim << "/causal:" << causal
+       << "/threads:" << threads;
+    return os.str();
+  }
+  bool decode() const { return family == "decode"; }
+};
+
+std::vector<Shape> shapes(Size size) {
+  std::vector<Shape> out;
+  const auto add = [&](const char* family, std::int64_t h, std::int64_t hkv, std::int64_t lq,
+                       std::int64_t lk, std::int64_t d, bool causal) {
+    out.push_back({family, 1, h, hkv, lq, lk, d, causal, 1});
+  };
+  if (size == Size::quick) {  // every family once, small
+    for (bool causal : {false, true}) add("prefill", 4, 2, 128, 128, 64, causal);
+    add("prefill", 4, 1, 128, 128, 64, false);
+    add("decode", 4, 2, 1, 512, 64, true);
+    add("decode", 4, 1, 1, 512, 64, true);
+    add("heads", 2, 2, 128, 128, 64, false);
+    return out;
+  }
+  const bool full = size == Size::full;
+  // Prefill: Lq = Lk, GQA 32/8, D = 128, causal and not.
+  const std::vector<std::int64_t> lengths =
+      full ? std::vector<std::int64_t>{128, 256, 512, 1024, 2048, 4096, 8192}
+           : std::vector<std::int64_t>{512, 2048};
+  for (std::int64_t l : lengths) {
+    for (bool causal : {false, true}) add("prefill", 32, 8, l, l, 128, causal);
+  }
+  if (full) add("prefill", 32, 8, 2048, 2048, 64, false);
+  // Decode: one query against a KV cache.
+  const std::vector<std::int64_t> caches =
+      full ? std::vector<std::int64_t>{512, 2048, 8192, 32768, 131072}
+           : std::vector<std::int64_t>{4096, 32768};
+  for (std::int64_t lk : caches) add("decode", 32, 8, 1, lk, 128, true);
+  // KV sharing: MHA (Hkv = H), GQA (H/2, H/4, H/8), MQA (1).
+  const std::int64_t kv_len = full ? 2048 : 1024;
+  for (std::int64_t hkv : {32, 16, 8, 4, 1}) {
+    if (!full && (hkv == 16 || hkv == 4)) continue;
+    add("prefill", 32, hkv, kv_len, kv_len, 128, false);
+    add("decode", 32, hkv, 1, 32768, 128, true);
+  }
+  // Head sweeps at fixed model width d = H * D: the total work stays the same.
+  for (std::int64_t width :
+       full ? std::vector<std::int64_t>{1024, 4096} : std::vector<std::int64_t>{1024}) {
+    for (std::int64_t h : {1, 2, 4, 8, 16, 32, 64}) {
+      if (!full && h != 4 && h != 16 && h != 64) continue;
+      add("heads", h, h, kv_len, kv_len, width / h, false);
+    }
+  }
+  return out;
+}
+
+struct Impl {
+  std::string name;
+  double exp_ulp;
+  std::function<void(const Problem&, const float*, const float*, const float*, float*, float*)> run;
+  std::function<void(int threads)> set_threads;  // library threads for baselines
+  bool naive = false;
+};
+
+#if MHA_HAVE_OPENBLAS
+void openblas_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                   const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                   std::int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
+              static_cast<blasint>(ldc));
+}
+#endif
+#if MHA_HAVE_ONEDNN
+void onednn_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                 const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                 std::int64_t ldc) {
+  dnnl_sgemm('N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+}
+#endif
+
+std::vector<Impl> implementations() {
+  std::vector<Impl> out;
+  for (const KernelInfo& k : all_kernels()) {
+    if (!available(k)) continue;
+    const Kernel fn = k.fn;
+    out.push_back({k.name, k.exp_ulp, fn, [](int) {}, std::string(k.name) == "naive"});
+  }
+#if MHA_HAVE_OPENBLAS
+  {
+    auto composed = std::make_shared<Composed>(&openblas_gemm);
+    out.push_back({"composed-openblas", kComposedExpUlp,
+                   [composed](const Problem& p, const float* q, const float* k, const float* v,
+                              float* o, float* lse) { composed->run(p, q, k, v, o, lse); },
+                   [](int threads) { openblas_set_num_threads(threads); }});
+  }
+#endif
+#if MHA_HAVE_ONEDNN
+  {
+    auto composed = std::make_shared<Composed>(&onednn_gemm);
+    out.push_back({"composed-onednn", kComposedExpUlp,
+                   [composed](const Problem& p, const float* q, const float* k, const float* v,
+                              float* o, float* lse) { composed->run(p, q, k, v, o, lse); },
+                   [](int threads) { omp_set_num_threads(threads); }});
+  }
+#endif
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Inputs: allocated and first-touched outside the timed loop, kept across the repeated
+// calls Google Benchmark makes for one benchmark, and rotated over enough copies to read
+// cold data when the KV cache is beyond the last-level cache.
+
+struct Workspace {
+  std::string key;
+  Problem p;
+  int copies = 1;
+  std::vector<std::vector<float>> q, k, v;
+  std::vector<float> o, lse;
+};
+
+void fill(std::vector<float>& x, std::uint64_t seed) {
+  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (float& f : x) {  // xorshift: cheap, and touches every page
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    f = static_cast<float>(static_cast<double>(s >> 40) / static_cast<double>(1ull << 24) * 2.0 -
+                           1.0);
+  }
+}
+
+std::int64_t kv_bytes(const Problem& p) {
+  return p.batch * p.kv_heads * p.kv_len * p.head_dim * 2 *
+         static_cast<std::int64_t>(sizeof(float));
+}
+
+Workspace& workspace(const Shape& s, const Caches& caches) {
+  static Workspace w;
+  const std::string key = s.name("");
+  if (w.key == key) return w;
+  w = Workspace();
+  w.key = key;
+  // Decode keeps its KV cache head-major, as caches usually are; prefill is token-major
+  // throughout (what X W^Q etc. produce).
+  w.p = make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal);
+  if (s.decode()) {
+    w.p.k = w.p.v = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, s.dim);
+  }
+  const std::int64_t ws = kv_bytes(w.p);
+  const std::int64_t llc = caches.last_level();
+  if (s.decode() && llc > 0 && ws > llc) {
+    w.copies = static_cast<int>(std::max<std::int64_t>(2, (3 * llc + ws - 1) / ws));
+  }
+  for (int c = 0; c < w.copies; ++c) {
+    w.q.emplace_back(static_cast<std::size_t>(q_extent(w.p)));
+    w.k.emplace_back(static_cast<std::size_t>(k_extent(w.p)));
+    w.v.emplace_back(static_cast<std::size_t>(v_extent(w.p)));
+    fill(w.q.back(), 3 * static_cast<std::uint64_t>(c) + 1);
+    fill(w.k.back(), 3 * static_cast<std::uint64_t>(c) + 2);
+    fill(w.v.back(), 3 * static_cast<std::uint64_t>(c) + 3);
+  }
+  w.o.assign(static_cast<std::size_t>(o_extent(w.p)), 0.0f);
+  w.lse.assign(static_cast<std::size_t>(lse_extent(w.p)), 0.0f);
+  return w;
+}
+
+// Runs the implementation once and compares sampled rows (first, middle, last query row of
+// every head) with the reference under the shared tolerance. Empty when they agree.
+std::string verify(const Impl& impl, Workspace& w) {
+  const Problem& p = w.p;
+  impl.run(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), w.lse.data());
+  for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {
+    const ref::Result want =
+        ref::attention(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), row, row + 1);
+    const ref::Tolerance tol =
+        ref::tolerance(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), impl.exp_ulp, row, row + 1);
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      for (std::int64_t h = 0; h < p.q_heads; ++h) {
+        const std::size_t r = tol.row(b, h, row);
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          const double got =
+              w.o[static_cast<std::size_t>(b * p.o.batch + row * p.o.seq + h * p.o.head + d)];
+          const double diff = std::fabs(got - want.o_at(b, h, row, d));
+          if (!(diff <= tol.o[r])) {
+            std::ostringstream os;
+            os << "output differs from the reference: o[b=" << b << "][h=" << h << "][i=" << row
+               << "][d=" << d << "] = " << got << ", expected " << want.o_at(b, h, row, d)
+               << " (bound " << tol.o[r] << ")";
+            return os.str();
+          }
+        }
+        const double got = w.lse[static_cast<std::size_t>(b * p.lse.batch + h * p.lse.head + row)];
+        const double want_lse = want.lse_at(b, h, row);
+        if (!(std::fabs(got - want_lse) <= tol.lse[r]) &&
+            !(std::isinf(want_lse) && got == want_lse)) {
+          return "lse differs from the reference at row " + std::to_string(row);
+        }
+      }
+    }
+  }
+  return std::string();
+}
+
+// FLOPs as DESIGN.md defines them: 4 D per visible query-key pair, over all B H heads.
+double flops(const Problem& p) {
+  double pairs = 0.0;
+  for (std::int64_t i = 0; i < p.q_len; ++i) pairs += static_cast<double>(visible_keys(p, i));
+  return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(p.batch * p.q_heads);
+}
+
+void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, const Probe& probe) {
+  Workspace& w = workspace(s, probe.caches);
+  impl.set_threads(s.threads);
+  static std::set<std::string> verified;
+  const std::string name = s.name(impl.name);
+  if (verified.count(name) == 0) {
+    const std::string error = verify(impl, w);
+    if (!error.empty()) {
+      state.SkipWithError(error.c_str());
+      return;
+    }
+    verified.insert(name);
+  }
+  const Problem& p = w.p;
+  int c = 0;
+  // Wall clock around the loop (the same interval UseRealTime reports), so that the rates
+  // below are plain numbers in every output format.
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    impl.run(p, w.q[c].data(), w.k[c].data(), w.v[c].data(), w.o.data(), nullptr);
+    benchmark::ClobberMemory();
+    c = c + 1 == w.copies ? 0 : c + 1;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double per_second = static_cast<double>(state.iterations()) / seconds;
+  const int all = s.threads > 1 ? 1 : 0;
+  const double gflops = flops(p) / 1e9 * per_second;
+  state.counters["GFLOPS"] = gflops;
+  state.counters["peak_frac"] = gflops / probe.fma_gflops[all];
+  if (s.decode()) {
+    const double bytes = static_cast<double>(kv_bytes(p));
+    const double gbps = bytes / 1e9 * per_second;
+    state.counters["kv_bytes"] = bytes;
+    state.counters["GBps"] = gbps;
+    const Caches& caches = probe.caches;
+    double limit = 0.0;
+    if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(caches.last_level())) {
+      limit = probe.dram_gbps[all];
+      state.SetLabel("bw:dram");
+    } else if (caches.l2 > 0 && bytes <= static_cast<double>(caches.l2) / 2) {
+      limit = probe.l2_gbps[all];
+      state.SetLabel("bw:l2");
+    }
+    if (limit > 0) state.counters["bw_frac"] = gbps / limit;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reporting: a fraction above 1 means the probe under-measured the machine; such a figure
+// is turned into an error instead of being reported, and the run fails.
+
+bool g_probe_wrong = false;
+bool g_errors = false;
+
+template <typename Base>
+class Checked : public Base {
+ public:
+  using Base::Base;
+  void ReportRuns(const std::vector<benchmark::BenchmarkReporter::Run>& runs) override {
+    std::vector<benchmark::BenchmarkReporter::Run> checked = runs;
+    for (auto& run : checked) {
+      g_errors |= run.error_occurred;
+      for (const char* key : {"peak_frac", "bw_frac"}) {
+        const auto it = run.counters.find(key);
+        if (it != run.counters.end() && it->second.value > 1.0 && !run.error_occurred) {
+          run.error_occurred = true;
+          run.error_message = std::string(key) + " = " + std::to_string(it->second.value) +
+                              " > 1: the machine probe is wrong";
+          g_probe_wrong = true;
+        }
+      }
+    }
+    Base::ReportRuns(checked);
+  }
+};
+
+std::string fixed(double x, int digits = 1) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, x);
+  return buf;
+}
+
+}  // namespace
+}  // namespace mha::bench
+
+int main(int argc, char** argv) {
+  using namespace mha::bench;
+  // Our own flags, taken out before Google Benchmark parses the rest.
+  Size size = Size::standard;
+  std::vector<char*> args;
+  bool json_out = false, json_display = false;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--size=", 0) == 0) {
+      const std::string v = a.substr(7);
+      if (v == "quick") {
+        size = Size::quick;
+      } else if (v == "default") {
+        size = Size::standard;
+      } else if (v == "full") {
+        size = Size::full;
+      } else {
+        std::fprintf(stderr, "mha_bench: --size must be quick, default or full, not '%s'\n",
+                     v.c_str());
+        return 2;
+      }
+      continue;
+    }
+    if (a.rfind("--benchmark_out=", 0) == 0) json_out = true;
+    if (a == "--benchmark_out_format=console" || a == "--benchmark_out_format=csv") {
+      std::fprintf(stderr, "mha_bench: only --benchmark_out_format=json is supported\n");
+      return 2;
+    }
+    if (a == "--benchmark_format=json") json_display = true;
+    args.push_back(argv[i]);
+  }
+  // A default minimum time per benchmark (Google Benchmark's own flag, so that names carry
+  // no per-benchmark suffix); a --benchmark_min_time given by the user comes later and wins.
+  bool user_min_time = false;
+  for (char* a : args) user_min_time |= std::strncmp(a, "--benchmark_min_time=", 21) == 0;
+  static char quick_min_time[] = "--benchmark_min_time=0.01";
+  static char default_min_time[] = "--benchmark_min_time=0.3";
+  if (!user_min_time) {
+    args.insert(args.begin() + 1, size == Size::quick ? quick_min_time : default_min_time);
+  }
+  int n_args = static_cast<int>(args.size());
+  benchmark::Initialize(&n_args, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n_args, args.data())) return 2;
+
+  std::vector<Impl> impls;
+  try {
+    impls = implementations();
+  } catch (const std::exception& e) {  // e.g. a bad MHA_MAX_ISA
+    std::fprintf(stderr, "mha_bench: %s\n", e.what());
+    return 2;
+  }
+  const std::vector<Shape> all_shapes = shapes(size);
+  const Caches caches = detect_caches();
+  bool need_dram = false;
+  for (const Shape& s : all_shapes) {
+    const mha::Problem p =
+        mha::make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim);
+    need_dram |= s.decode() &&
+                 static_cast<double>(kv_bytes(p)) >= 4.0 * static_cast<double>(caches.last_level());
+  }
+  std::fprintf(stderr, "mha_bench: probing the machine...\n");
+  static const Probe probe = run_probe(need_dram || size == Size::full);
+
+  const auto ctx = [](const std::string& k, const std::string& v) {
+    benchmark::AddCustomContext(k, v);
+  };
+  ctx("mha_size", size == Size::quick ? "quick" : (size == Size::full ? "full" : "default"));
+  ctx("mha_commit", MHA_COMMIT);
+  ctx("mha_compiler", MHA_COMPILER);
+  ctx("mha_flags", MHA_FLAGS);
+  ctx("mha_cpu_model", cpu_model());
+  ctx("mha_best_kernel", mha::best_kernel().name);
+  ctx("mha_best_isa", mha::isa_name(mha::best_kernel().isa));
+  ctx("mha_cores", std::to_string(probe.cores));
+  ctx("probe_fma_isa", probe.fma_isa);
+  ctx("probe_fma_gflops_1t", fixed(probe.fma_gflops[0]));
+  ctx("probe_fma_gflops_all", fixed(probe.fma_gflops[1]));
+  ctx("probe_l1_gbps_1t", fixed(probe.l1_gbps[0]));
+  ctx("probe_l2_gbps_1t", fixed(probe.l2_gbps[0]));
+  if (probe.l3_gbps[0] > 0) ctx("probe_l3_gbps_1t", fixed(probe.l3_gbps[0]));
+  if (probe.dram_gbps[0] > 0) ctx("probe_dram_gbps_1t", fixed(probe.dram_gbps[0]));
+  ctx("probe_l1_gbps_all", fixed(probe.l1_gbps[1]));
+  ctx("probe_l2_gbps_all", fixed(probe.l2_gbps[1]));
+  if (probe.l3_gbps[1] > 0) ctx("probe_l3_gbps_all", fixed(probe.l3_gbps[1]));
+  if (probe.dram_gbps[1] > 0) ctx("probe_dram_gbps_all", fixed(probe.dram_gbps[1]));
+  ctx("cache_l1d_bytes", std::to_string(caches.l1d));
+  ctx("cache_l2_bytes", std::to_string(caches.l2));
+  ctx("cache_l3_bytes", std::to_string(caches.l3));
+  std::fprintf(stderr,
+               "mha_bench: FMA peak %.1f GFLOP/s (1 core, %s), %.1f (%d cores); read GB/s "
+               "L1 %.0f, L2 %.0f, L3 %.0f, DRAM %.1f (1 core; 0 = not measured)\n",
+               probe.fma_gflops[0], probe.fma_isa.c_str(), probe.fma_gflops[1], probe.cores,
+               probe.l1_gbps[0], probe.l2_gbps[0], probe.l3_gbps[0], probe.dram_gbps[0]);
+
+  std::set<std::string> names;
+  for (const Shape& s : all_shapes) {
+    for (const Impl& impl : impls) {
+      // naive is O(Lq Lk D) with poor locality: beyond 2048 it would take minutes a run.
+      if (impl.naive && s.q_len > 2048) continue;
+      const std::string name = s.name(impl.name);
+      if (!names.insert(name).second) continue;
+      benchmark::RegisterBenchmark(
+          name.c_str(), [impl, s](benchmark::State& st) { run_benchmark(st, impl, s, probe); })
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+
+  Checked<benchmark::ConsoleReporter> console;
+  Checked<benchmark::JSONReporter> json_console;
+  Checked<benchmark::JSONReporter> json_file;
+  benchmark::BenchmarkReporter* display =
+      json_display ? static_cast<benchmark::BenchmarkReporter*>(&json_console) : &console;
+  benchmark::RunSpecifiedBenchmarks(display, json_out ? &json_file : nullptr);
+  benchmark::Shutdown();
+  if (g_probe_wrong) {
+    std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded 1: the probe is wrong\n");
+    return 1;
+  }
+  if (g_errors) {
+    std::fprintf(stderr, "mha_bench: some benchmarks reported errors\n");
+    return 1;
+  }
+  return 0;
+}

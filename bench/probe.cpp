@@ -1,0 +1,191 @@
+#include "probe.h"
+
+#include <mha/registry.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "probe_kernels.h"
+
+namespace mha::bench {
+
+namespace {
+
+// Portable fallbacks (baseline x86-64 has no FMA: a multiply and an add count as 2 FLOPs).
+double scalar_fma(std::int64_t iters) {
+  float a[16];
+  for (int k = 0; k < 16; ++k) a[k] = static_cast<float>(k);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    for (float& x : a) x = x * 0.999999f + 1e-7f;
+  }
+  float s = 0.0f;
+  for (float x : a) s += x;
+  volatile float sink = s;
+  (void)sink;
+  return static_cast<double>(iters) * 16 * 2;
+}
+
+float scalar_read(const float* p, std::int64_t n, std::int64_t passes) {
+  float s[16] = {};
+  for (std::int64_t r = 0; r < passes; ++r) {
+    for (std::int64_t i = 0; i < n; i += 16) {
+      for (int k = 0; k < 16; ++k) s[k] += p[i + k];
+    }
+  }
+  float t = 0.0f;
+  for (float x : s) t += x;
+  return t;
+}
+
+}  // namespace
+
+ProbeKernels probe_kernels_scalar() { return {"scalar", &scalar_fma, &scalar_read}; }
+
+namespace {
+
+// The widest vector FMA this CPU has (MHA_MAX_ISA does not apply: this is the machine's
+// limit, whatever the kernels are allowed to use).
+ProbeKernels best_kernels() {
+#if defined(__x86_64__)
+  if (cpu_supports(Isa::avx512)) return probe_kernels_avx512();
+  if (cpu_supports(Isa::avx2)) return probe_kernels_avx2();
+#endif
+#if defined(__aarch64__)
+  return probe_kernels_neon();
+#endif
+  return probe_kernels_scalar();
+}
+
+std::int64_t parse_size(const std::string& s) {  // "48K", "2048K", "480M"
+  std::int64_t v = std::atoll(s.c_str());
+  if (s.find('K') != std::string::npos) v <<= 10;
+  if (s.find('M') != std::string::npos) v <<= 20;
+  return v;
+}
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<float[], FreeDeleter>;
+
+Buffer make_buffer(std::int64_t floats) {
+  const auto bytes = static_cast<std::size_t>(floats) * sizeof(float);
+  auto* p = static_cast<float*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096));
+  if (p == nullptr) throw std::bad_alloc();
+  for (std::int64_t i = 0; i < floats; ++i) p[i] = 1.0f;  // first touch, outside timing
+  return Buffer(p);
+}
+
+// Best rate over `repeats` runs of work(thread) on `threads` threads started together;
+// work returns the units it did. Wall time from the common start to the last finish.
+template <typename Work>
+double best_rate(int threads, int repeats, Work work) {
+  double best = 0.0;
+  for (int r = 0; r < repeats; ++r) {
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<double> units(static_cast<std::size_t>(threads));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        ready.fetch_add(1);
+        while (!go.load(std::memory_order_acquire)) {
+        }
+        units[static_cast<std::size_t>(t)] = work(t);
+      });
+    }
+    while (ready.load() < threads) {
+    }
+    const auto start = std::chrono::steady_clock::now();
+    go.store(true, std::memory_order_release);
+    for (auto& th : pool) th.join();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double total = 0.0;
+    for (double u : units) total += u;
+    best = std::max(best, total / seconds);
+  }
+  return best;
+}
+
+// Read bandwidth in GB/s for `bytes_per_thread` per thread, each thread its own buffer,
+// with the number of passes chosen so that a run reads about `target` bytes per thread.
+double read_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thread,
+                 std::int64_t target) {
+  const std::int64_t floats = std::max<std::int64_t>(256, bytes_per_thread / 4 / 256 * 256);
+  std::vector<Buffer> buffers;
+  for (int t = 0; t < threads; ++t) buffers.push_back(make_buffer(floats));
+  const std::int64_t passes = std::max<std::int64_t>(1, target / (floats * 4));
+  std::vector<float> sink(static_cast<std::size_t>(threads));
+  const double rate = best_rate(threads, 5, [&](int t) {
+    sink[static_cast<std::size_t>(t)] =
+        k.read(buffers[static_cast<std::size_t>(t)].get(), floats, passes);
+    return static_cast<double>(floats) * 4.0 * static_cast<double>(passes);
+  });
+  volatile float keep = sink[0];
+  (void)keep;
+  return rate / 1e9;
+}
+
+}  // namespace
+
+Caches detect_caches() {
+  Caches c;
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+    std::ifstream level_file(dir + "/level"), type_file(dir + "/type"), size_file(dir + "/size");
+    int level = 0;
+    std::string type, size;
+    if (!(level_file >> level) || !(type_file >> type) || !(size_file >> size)) continue;
+    if (type == "Instruction") continue;
+    const std::int64_t bytes = parse_size(size);
+    if (level == 1) c.l1d = bytes;
+    if (level == 2) c.l2 = bytes;
+    if (level == 3) c.l3 = bytes;
+  }
+  return c;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+Probe run_probe(bool dram) {
+  Probe p;
+  p.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  p.caches = detect_caches();
+  const ProbeKernels k = best_kernels();
+  p.fma_isa = k.isa;
+  for (int all = 0; all < 2; ++all) {
+    const int threads = all ? p.cores : 1;
+    // About 50 ms a run at 100 GFLOP/s per core.
+    p.fma_gflops[all] = best_rate(threads, 7, [&](int) { return k.fma(400000); }) / 1e9;
+    const Caches& c = p.caches;
+    const std::int64_t l1 = c.l1d > 0 ? c.l1d / 2 : 16 << 10;
+    const std::int64_t l2 = c.l2 > 0 ? c.l2 / 2 : 512 << 10;
+    p.l1_gbps[all] = read_gbps(k, threads, l1, 1 << 30);
+    p.l2_gbps[all] = read_gbps(k, threads, l2, 1 << 30);
+    if (c.l3 > 0) p.l3_gbps[all] = read_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
+    if (dram) {
+      // 4x the last-level cache, shared among the threads; at least 256 MiB.
+      const std::int64_t total = std::max<std::int64_t>(4 * c.last_level(), 256 << 20);
+      p.dram_gbps[all] = read_gbps(k, threads, total / threads, total / threads * 2);
+    }
+  }
+  return p;
+}
+
+}  // namespace mha::bench

@@ -1,0 +1,27 @@
+// Inner loops of the machine probe, one set per instruction set; each set lives in a file
+// compiled with that ISA's flags only.
+#pragma once
+
+#include <cstdint>
+
+namespace mha::bench {
+
+struct ProbeKernels {
+  const char* isa;
+  /// Runs `iters` rounds of independent FMA chains; returns the FLOPs done.
+  double (*fma)(std::int64_t iters);
+  /// Reads n floats (n a multiple of 256, p 64-byte aligned) `passes` times; returns a sum
+  /// that the caller keeps, so the loads cannot be optimized away.
+  float (*read)(const float* p, std::int64_t n, std::int64_t passes);
+};
+
+ProbeKernels probe_kernels_scalar();
+#if defined(__x86_64__)
+ProbeKernels probe_kernels_avx2();
+ProbeKernels probe_kernels_avx512();
+#endif
+#if defined(__aarch64__)
+ProbeKernels probe_kernels_neon();
+#endif
+
+}  // namespace mha::bench
