@@ -5,6 +5,7 @@
 // Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac (see README).
 #include <benchmark/benchmark.h>
 #include <mha/attention.h>
+#include <mha/parallel.h>
 #include <mha/registry.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "composed.h"
@@ -70,11 +72,13 @@ struct Shape {
   bool decode() const { return family == "decode"; }
 };
 
-std::vector<Shape> shapes(Size size) {
+std::vector<Shape> shapes(Size size, int cores) {
   std::vector<Shape> out;
+  // Every shape on one thread and, through the driver, on every core.
   const auto add = [&](const char* family, std::int64_t h, std::int64_t hkv, std::int64_t lq,
                        std::int64_t lk, std::int64_t d, bool causal) {
     out.push_back({family, 1, h, hkv, lq, lk, d, causal, 1});
+    if (cores > 1) out.push_back({family, 1, h, hkv, lq, lk, d, causal, cores});
   };
   if (size == Size::quick) {  // every family once, small
     for (bool causal : {false, true}) add("prefill", 4, 2, 128, 128, 64, causal);
@@ -98,6 +102,9 @@ std::vector<Shape> shapes(Size size) {
       full ? std::vector<std::int64_t>{512, 2048, 8192, 32768, 131072}
            : std::vector<std::int64_t>{4096, 32768};
   for (std::int64_t lk : caches) add("decode", 32, 8, 1, lk, 128, true);
+  // Split-KV decoding: one KV head, a cache in L2 and one in memory.
+  add("decode", 8, 1, 1, 1024, 128, true);
+  add("decode", 8, 1, 1, 131072, 128, true);
   // KV sharing: MHA (Hkv = H), GQA (H/2, H/4, H/8), MQA (1).
   const std::int64_t kv_len = full ? 2048 : 1024;
   for (std::int64_t hkv : {32, 16, 8, 4, 1}) {
@@ -119,8 +126,11 @@ std::vector<Shape> shapes(Size size) {
 struct Impl {
   std::string name;
   double exp_ulp;
-  std::function<void(const Problem&, const float*, const float*, const float*, float*, float*)> run;
-  std::function<void(int threads)> set_threads;  // library threads for baselines
+  // Runs one problem on `threads` threads: registry kernels through the parallel driver,
+  // baselines with their library's thread count set to it.
+  std::function<void(const Problem&, const float*, const float*, const float*, float*, float*,
+                     int threads)>
+      run;
   bool naive = false;
 };
 
@@ -147,15 +157,21 @@ std::vector<Impl> implementations() {
   for (const KernelInfo& k : all_kernels()) {
     if (!available(k)) continue;
     const Kernel fn = k.fn;
-    out.push_back({k.name, k.exp_ulp, fn, [](int) {}, std::string(k.name) == "naive"});
+    out.push_back(
+        {k.name, k.exp_ulp,
+         [fn](const Problem& p, const float* q, const float* kk, const float* v, float* o,
+              float* lse, int threads) { parallel_attention(fn, p, q, kk, v, o, lse, threads); },
+         std::string(k.name) == "naive"});
   }
 #if MHA_HAVE_OPENBLAS
   {
     auto composed = std::make_shared<Composed>(&openblas_gemm);
     out.push_back({"composed-openblas", kComposedExpUlp,
                    [composed](const Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse) { composed->run(p, q, k, v, o, lse); },
-                   [](int threads) { openblas_set_num_threads(threads); }});
+                              float* o, float* lse, int threads) {
+                     openblas_set_num_threads(threads);
+                     composed->run(p, q, k, v, o, lse);
+                   }});
   }
 #endif
 #if MHA_HAVE_ONEDNN
@@ -163,8 +179,10 @@ std::vector<Impl> implementations() {
     auto composed = std::make_shared<Composed>(&onednn_gemm);
     out.push_back({"composed-onednn", kComposedExpUlp,
                    [composed](const Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse) { composed->run(p, q, k, v, o, lse); },
-                   [](int threads) { omp_set_num_threads(threads); }});
+                              float* o, float* lse, int threads) {
+                     omp_set_num_threads(threads);
+                     composed->run(p, q, k, v, o, lse);
+                   }});
   }
 #endif
   return out;
@@ -231,9 +249,9 @@ Workspace& workspace(const Shape& s, const Caches& caches) {
 
 // Runs the implementation once and compares sampled rows (first, middle, last query row of
 // every head) with the reference under the shared tolerance. Empty when they agree.
-std::string verify(const Impl& impl, Workspace& w) {
+std::string verify(const Impl& impl, Workspace& w, int threads) {
   const Problem& p = w.p;
-  impl.run(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), w.lse.data());
+  impl.run(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), w.lse.data(), threads);
   for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {
     const ref::Result want =
         ref::attention(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), row, row + 1);
@@ -275,11 +293,10 @@ double flops(const Problem& p) {
 
 void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, const Probe& probe) {
   Workspace& w = workspace(s, probe.caches);
-  impl.set_threads(s.threads);
   static std::set<std::string> verified;
   const std::string name = s.name(impl.name);
   if (verified.count(name) == 0) {
-    const std::string error = verify(impl, w);
+    const std::string error = verify(impl, w, s.threads);
     if (!error.empty()) {
       state.SkipWithError(error.c_str());
       return;
@@ -292,7 +309,7 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   // below are plain numbers in every output format.
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    impl.run(p, w.q[c].data(), w.k[c].data(), w.v[c].data(), w.o.data(), nullptr);
+    impl.run(p, w.q[c].data(), w.k[c].data(), w.v[c].data(), w.o.data(), nullptr, s.threads);
     benchmark::ClobberMemory();
     c = c + 1 == w.copies ? 0 : c + 1;
   }
@@ -410,7 +427,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mha_bench: %s\n", e.what());
     return 2;
   }
-  const std::vector<Shape> all_shapes = shapes(size);
+  const std::vector<Shape> all_shapes =
+      shapes(size, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   const Caches caches = detect_caches();
   bool need_dram = false;
   for (const Shape& s : all_shapes) {

@@ -1,6 +1,8 @@
 // The runtime registry generated from registry.inc, and the validating entry point.
 #include "mha/registry.h"
 
+#include "mha/parallel.h"
+
 #include <cstdint>
 #include <stdexcept>
 
@@ -88,7 +90,7 @@ std::string check_call(const Problem& p, const float* q, const float* k, const f
 }
 
 void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
-               const float* v, float* o, float* lse) {
+               const float* v, float* o, float* lse, int threads) {
   const KernelInfo* info = find_kernel(kernel);
   if (info == nullptr) throw std::invalid_argument("unknown kernel '" + kernel + "'");
   if (!available(*info)) {
@@ -97,12 +99,12 @@ void attention(const std::string& kernel, const Problem& p, const float* q, cons
   }
   const std::string message = check_call(p, q, k, v, o, lse);
   if (!message.empty()) throw std::invalid_argument("mha::attention: " + message);
-  info->fn(p, q, k, v, o, lse);
+  parallel_attention(info->fn, p, q, k, v, o, lse, threads);
 }
 
 void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
-               float* lse) {
-  attention(best_kernel().name, p, q, k, v, o, lse);
+               float* lse, int threads) {
+  attention(best_kernel().name, p, q, k, v, o, lse, threads);
 }
 
 }  // namespace mha

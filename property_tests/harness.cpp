@@ -1,5 +1,7 @@
 #include "harness.h"
 
+#include <mha/parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -333,6 +335,35 @@ std::vector<bool> element_mask(std::int64_t size, const Strides& s, std::int64_t
 
 Outputs run(const KernelInfo& kernel, const Inputs& in, std::int64_t misalign) {
   return run(kernel, in.p, in, in.q, in.k, in.v, misalign);
+}
+
+namespace {
+// The driver as a kernel: a stateless function reading the kernel and thread count set
+// just before the call (tests run properties on one thread).
+Kernel g_driver_kernel = nullptr;
+int g_driver_threads = 1;
+void driver(const Problem& p, const float* q, const float* k, const float* v, float* o,
+            float* lse) {
+  parallel_attention(g_driver_kernel, p, q, k, v, o, lse, g_driver_threads);
+}
+}  // namespace
+
+Outputs run_driver(const KernelInfo& kernel, const Inputs& in, int threads) {
+  g_driver_kernel = kernel.fn;
+  g_driver_threads = threads;
+  KernelInfo as_kernel = kernel;
+  as_kernel.fn = &driver;
+  return run(as_kernel, in);
+}
+
+Tolerance merged_tolerance(Tolerance tol, double parts) {
+  for (std::size_t r = 0; r < tol.o.size(); ++r) {
+    const double eta = std::exp(2.0 * tol.lse[r]) * (1.0 + 2.0 * std::ldexp(1.0, -24)) - 1.0;
+    const double weights = eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0;
+    tol.o[r] += (weights + accumulation_factor(parts)) * tol.v_max[r];
+    tol.lse[r] += std::log1p(eta) + accumulation_factor(parts);
+  }
+  return tol;
 }
 
 Outputs run(const KernelInfo& kernel, const Problem& p, const Inputs& in, const float* q,

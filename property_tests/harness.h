@@ -186,6 +186,16 @@ void expect_close(const Problem& p, const Outputs& out, const ref::Result& expec
 void expect_close(const Problem& p, const Outputs& out, const Problem& p2, const Outputs& out2,
                   const Tolerance& tol, const std::string& what, std::int64_t row0 = 0);
 
+/// The tolerance of a result merged from `parts` partial results (split-KV): each part is
+/// within the whole problem's tolerance (fewer keys, same maxima); merging perturbs the
+/// part weights exp(lse_c - m) by at most twice the lse tolerance and adds the
+/// accumulation error of `parts` terms.
+Tolerance merged_tolerance(Tolerance tol, double parts);
+
+/// Runs the parallel driver with `kernel` on `threads` threads over the inputs; the same
+/// guard checks as run().
+Outputs run_driver(const KernelInfo& kernel, const Inputs& in, int threads);
+
 /// The full equivalence property: reference vs kernel on one case.
 void check_equivalence(const KernelInfo& kernel, const Case& c);
 

@@ -55,13 +55,15 @@ std::string check_call(const Problem& p, const float* q, const float* k, const f
                        const float* o, const float* lse);
 
 /// Validates (throwing std::invalid_argument with check_call's message) and runs the best
-/// available kernel. lse may be null.
+/// available kernel through the parallel driver (mha/parallel.h) on `threads` threads
+/// (0: MHA_NUM_THREADS, else all cores). lse may be null. The output does not depend on
+/// the thread count, bit for bit.
 void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
-               float* lse = nullptr);
+               float* lse = nullptr, int threads = 0);
 
 /// The same with a named kernel; throws std::invalid_argument when the name is unknown or
 /// the kernel is not available on this CPU.
 void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
-               const float* v, float* o, float* lse = nullptr);
+               const float* v, float* o, float* lse = nullptr, int threads = 0);
 
 }  // namespace mha

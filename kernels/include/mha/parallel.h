@@ -1,0 +1,54 @@
+// mha/parallel.h: the thread-parallel driver. Kernels stay single-threaded microkernels;
+// the driver cuts one problem into independent sub-problems and runs them on threads.
+#pragma once
+
+#include <mha/attention.h>
+
+#include <cstdint>
+
+namespace mha {
+
+/// How the driver cuts a problem. It depends only on the problem, never on the number of
+/// threads, so every thread count computes exactly the same operations and gives
+/// bit-identical output.
+///
+/// * Units: (batch, KV-head group, block of query rows). A group is the g = q_heads /
+///   kv_heads query heads that read one KV head, so a unit is the problem
+///   {batch 1, q_heads g, kv_heads 1, its rows}: the kernel loads each KV tile once for all
+///   g heads. Rows are sliced with bottom-right causal alignment (DESIGN.md): rows
+///   [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no key is written as
+///   zeros and lse = -inf by the driver itself.
+/// * Split-KV: when there are fewer units than kMinUnits and the KV length is long
+///   (decoding), each unit's KV range is cut into chunks; each chunk runs with lse into
+///   scratch and the chunks are merged exactly with mha::merge. Chunks of a causal unit end
+///   at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole,
+///   except the last, which stays causal.
+struct Plan {
+  static constexpr std::int64_t kRowBlock = 64;   ///< query rows per unit
+  static constexpr std::int64_t kMinUnits = 16;   ///< below this, split the KV length
+  static constexpr std::int64_t kChunk = 256;     ///< keys per KV chunk at least: 256 KiB
+                                                  ///< of K and V at D = 128, many tiles
+  static constexpr std::int64_t kMaxChunks = 64;  ///< chunks per unit at most
+
+  std::int64_t row_block = 0;  ///< rows per unit
+  std::int64_t units = 0;      ///< batch * kv_heads * row blocks
+  std::int64_t chunks = 1;     ///< KV chunks per unit (1: no split)
+  std::int64_t chunk = 0;      ///< keys per chunk when chunks > 1
+};
+
+/// The decomposition of p (see Plan).
+Plan plan(const Problem& p);
+
+/// The thread count the driver uses when given 0: MHA_NUM_THREADS when set (a positive
+/// integer; anything else throws std::invalid_argument), else the number of cores.
+int default_threads();
+
+/// Runs `kernel` over p on `threads` threads (0: default_threads()). Same contract as a
+/// kernel: p must pass check(), pointers valid, outputs disjoint from inputs; lse may be
+/// null. Scratch for split-KV partial results is allocated per call: chunks * (D + 1)
+/// floats per query row of every unit, at most 64 chunks: about 0.5 MiB for one decode
+/// token of 32 heads at D = 128.
+void parallel_attention(Kernel kernel, const Problem& p, const float* q, const float* k,
+                        const float* v, float* o, float* lse, int threads = 0);
+
+}  // namespace mha
