@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <mha/attention.h>
+#include <mha/parallel.h>
 #include <mha/registry.h>
 #include <rapidcheck.h>
 
@@ -302,6 +303,34 @@ TEST(Registry, DetectsTheEmulatedCpu) {
     if (cpu_supports(isa) && isa_rank(isa) > isa_rank(top)) top = isa;
   }
   EXPECT_STREQ(isa_name(top), expected);
+}
+
+TEST(Driver, NumThreadsFromTheEnvironment) {
+  {
+    ScopedEnv env("MHA_NUM_THREADS", "3");
+    EXPECT_EQ(default_threads(), 3);
+  }
+  for (const char* bad : {"0", "-2", "two", "4x", "100000"}) {
+    ScopedEnv env("MHA_NUM_THREADS", bad);
+    try {
+      default_threads();
+      FAIL() << "no exception for " << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("is not a positive integer")) << bad;
+    }
+  }
+}
+
+TEST(Driver, PlanDependsOnTheProblemOnly) {
+  const Plan prefill = plan(make_problem(2, 2048, 2048, 32, 8, 128, true));
+  EXPECT_EQ(prefill.units, 2 * 8 * 32);
+  EXPECT_EQ(prefill.chunks, 1);
+  const Plan decode = plan(make_problem(1, 1, 131072, 32, 8, 128, true));
+  EXPECT_EQ(decode.units, 8);
+  EXPECT_EQ(decode.chunks, 64);  // the cap: 2048-key chunks
+  EXPECT_EQ(decode.chunk, 2048);
+  const Plan short_cache = plan(make_problem(1, 1, 511, 8, 1, 128, true));
+  EXPECT_EQ(short_cache.chunks, 1);  // below 2 kChunk keys: not split
 }
 
 TEST(Registry, NamesAreUniqueAndNaiveComesFirst) {
