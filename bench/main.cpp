@@ -380,6 +380,7 @@ int main(int argc, char** argv) {
   using namespace mha::bench;
   // Our own flags, taken out before Google Benchmark parses the rest.
   Size size = Size::standard;
+  bool probe_only = false;
   std::vector<char*> args;
   bool json_out = false, json_display = false;
   for (int i = 0; i < argc; ++i) {
@@ -397,6 +398,10 @@ int main(int argc, char** argv) {
                      v.c_str());
         return 2;
       }
+      continue;
+    }
+    if (a == "--probe_only") {
+      probe_only = true;
       continue;
     }
     if (a.rfind("--benchmark_out=", 0) == 0) json_out = true;
@@ -438,7 +443,7 @@ int main(int argc, char** argv) {
                  static_cast<double>(kv_bytes(p)) >= 4.0 * static_cast<double>(caches.last_level());
   }
   std::fprintf(stderr, "mha_bench: probing the machine...\n");
-  static const Probe probe = run_probe(need_dram || size == Size::full);
+  static const Probe probe = run_probe(need_dram || size == Size::full || probe_only);
 
   const auto ctx = [](const std::string& k, const std::string& v) {
     benchmark::AddCustomContext(k, v);
@@ -470,6 +475,17 @@ int main(int argc, char** argv) {
                "L1 %.0f, L2 %.0f, L3 %.0f, DRAM %.1f (1 core; 0 = not measured)\n",
                probe.fma_gflops[0], probe.fma_isa.c_str(), probe.fma_gflops[1], probe.cores,
                probe.l1_gbps[0], probe.l2_gbps[0], probe.l3_gbps[0], probe.dram_gbps[0]);
+
+  if (probe_only) {
+    std::printf("probe: FMA peak %.1f / %.1f GFLOP/s (1 core / %d cores, %s)\n",
+                probe.fma_gflops[0], probe.fma_gflops[1], probe.cores, probe.fma_isa.c_str());
+    const char* level[] = {"L1", "L2", "L3", "DRAM"};
+    const double* gbps[] = {probe.l1_gbps, probe.l2_gbps, probe.l3_gbps, probe.dram_gbps};
+    for (int i = 0; i < 4; ++i) {
+      std::printf("probe: %-4s read %.1f / %.1f GB/s\n", level[i], gbps[i][0], gbps[i][1]);
+    }
+    return 0;
+  }
 
   std::set<std::string> names;
   for (const Shape& s : all_shapes) {
