@@ -109,7 +109,7 @@ int default_threads() {
 
 void parallel_attention(Kernel kernel, const Problem& p, const float* q, const float* k,
                         const float* v, float* o, float* lse, int threads) {
-  if (threads <= 0) threads = default_threads();
+  if (threads <= 0) threads = default_threads();  // NOLINT: read by the num_threads clauses
   const Plan pl = plan(p);
   const Schedule s = schedule(p, pl);
   const std::int64_t g = p.q_heads / p.kv_heads;

@@ -16,6 +16,7 @@ namespace mha {
 
 const std::vector<KernelInfo>& all_kernels() {
   static const std::vector<KernelInfo> kernels = {
+// NOLINTNEXTLINE(bugprone-macro-parentheses): isa is a scoped enumerator name
 #define MHA_KERNEL(name, isa, function, exp_ulp) {#name, Isa::isa, &function, exp_ulp},
 #include "registry.inc"
 #undef MHA_KERNEL
