@@ -337,8 +337,8 @@ void logits_block(const float* const* q, const float* kt, std::int64_t ld, std::
 
 }  // namespace
 
-void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k,
-                               const float* v, float* o, float* lse) {
+void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
+                              float* o, float* lse) {
   const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim = p.head_dim;
   const Tiling tiling = choose_tiling(p);

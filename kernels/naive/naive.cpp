@@ -14,7 +14,7 @@
 #include "mha/attention.h"
 
 void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse) {
+                             float* o, float* lse) {
   const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
   std::vector<float> score(static_cast<std::size_t>(p.kv_len));
   for (std::int64_t b = 0; b < p.batch; ++b) {

@@ -309,7 +309,7 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
 }  // namespace
 
 void mha_f32_attention_neon(const mha::Problem& p, const float* q, const float* k, const float* v,
-                             float* o, float* lse) {
+                            float* o, float* lse) {
   const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim = p.head_dim;
   const Tiling tiling = choose_tiling(p);
