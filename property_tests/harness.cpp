@@ -406,24 +406,29 @@ bool close(double got, double want, double bound) {
 
 }  // namespace
 
-void expect_close(const Problem& p, const Outputs& out, const ref::Result& expected,
-                  const Tolerance& tol, double scale, const std::string& what) {
+namespace {
+
+// Rows [row0, row0 + rows) of p, every head and column: got_* against want_* (indexed by
+// p's row) within scale times the row's tolerance. A row that sees no key must be exactly
+// zeros with lse = -inf on both sides; an infinite expected lse must be matched exactly.
+template <typename GotO, typename GotLse, typename WantO, typename WantLse>
+void compare_rows(const Problem& p, std::int64_t row0, std::int64_t rows, const Tolerance& tol,
+                  double scale, const std::string& what, GotO got_o, GotLse got_lse, WantO want_o,
+                  WantLse want_lse) {
   const double neg_inf = -std::numeric_limits<double>::infinity();
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
-      for (std::int64_t i = 0; i < p.q_len; ++i) {
+      for (std::int64_t i = row0; i < row0 + rows; ++i) {
         const bool masked = visible_keys(p, i) == 0;
         const std::size_t r = tol.row(b, h, i);
         for (std::int64_t d = 0; d < p.head_dim; ++d) {
-          const double got = out.o_at(p, b, h, i, d);
-          const double want = expected.o_at(b, h, i, d);
-          const bool ok = masked ? got == 0.0 : close(got, want, scale * tol.o[r]);
+          const double got = got_o(b, h, i, d), want = want_o(b, h, i, d);
+          const bool ok = masked ? got == 0.0 && want == 0.0 : close(got, want, scale * tol.o[r]);
           if (!ok) fail(what, "o", b, h, i, d, got, want, scale * tol.o[r]);
         }
-        const double got = out.lse_at(p, b, h, i);
-        const double want = expected.lse_at(b, h, i);
+        const double got = got_lse(b, h, i), want = want_lse(b, h, i);
         const bool ok =
-            masked ? got == neg_inf
+            masked ? got == neg_inf && want == neg_inf
                    : (std::isinf(want) ? got == want : close(got, want, scale * tol.lse[r]));
         if (!ok) fail(what, "lse", b, h, i, -1, got, want, scale * tol.lse[r]);
       }
@@ -431,26 +436,27 @@ void expect_close(const Problem& p, const Outputs& out, const ref::Result& expec
   }
 }
 
+}  // namespace
+
+void expect_close(const Problem& p, const Outputs& out, const ref::Result& expected,
+                  const Tolerance& tol, double scale, const std::string& what) {
+  compare_rows(
+      p, 0, p.q_len, tol, scale, what,
+      [&](auto b, auto h, auto i, auto d) { return out.o_at(p, b, h, i, d); },
+      [&](auto b, auto h, auto i) { return out.lse_at(p, b, h, i); },
+      [&](auto b, auto h, auto i, auto d) { return expected.o_at(b, h, i, d); },
+      [&](auto b, auto h, auto i) { return expected.lse_at(b, h, i); });
+}
+
 void expect_close(const Problem& p, const Outputs& out, const Problem& p2, const Outputs& out2,
                   const Tolerance& tol, const std::string& what, std::int64_t row0) {
-  for (std::int64_t b = 0; b < p2.batch; ++b) {
-    for (std::int64_t h = 0; h < p2.q_heads; ++h) {
-      for (std::int64_t i = 0; i < p2.q_len; ++i) {
-        const std::size_t r = tol.row(b, h, row0 + i);
-        const bool masked = visible_keys(p, row0 + i) == 0;
-        for (std::int64_t d = 0; d < p2.head_dim; ++d) {
-          const double got = out2.o_at(p2, b, h, i, d);
-          const double want = out.o_at(p, b, h, row0 + i, d);
-          const bool ok = masked ? got == 0.0 && want == 0.0 : close(got, want, 2.0 * tol.o[r]);
-          if (!ok) fail(what, "o", b, h, row0 + i, d, got, want, 2.0 * tol.o[r]);
-        }
-        const double got = out2.lse_at(p2, b, h, i);
-        const double want = out.lse_at(p, b, h, row0 + i);
-        const bool ok = std::isinf(want) ? got == want : close(got, want, 2.0 * tol.lse[r]);
-        if (!ok) fail(what, "lse", b, h, row0 + i, -1, got, want, 2.0 * tol.lse[r]);
-      }
-    }
-  }
+  // Both sides are within tol of the exact result, so within 2 tol of each other.
+  compare_rows(
+      p, row0, p2.q_len, tol, 2.0, what,
+      [&](auto b, auto h, auto i, auto d) { return out2.o_at(p2, b, h, i - row0, d); },
+      [&](auto b, auto h, auto i) { return out2.lse_at(p2, b, h, i - row0); },
+      [&](auto b, auto h, auto i, auto d) { return out.o_at(p, b, h, i, d); },
+      [&](auto b, auto h, auto i) { return out.lse_at(p, b, h, i); });
 }
 
 Dense gather(const float* t, const Strides& s, std::int64_t batch, std::int64_t len,
