@@ -186,7 +186,7 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
     parts.lse = ls.data();
     parts.o_strides = {0, g * D, D};
     parts.lse_strides = {0, u.rows};
-    merge(up, parts, o_at(u), lse != nullptr ? lse_at(u) : nullptr);
+    detail::merge_unchecked(up, parts, o_at(u), lse != nullptr ? lse_at(u) : nullptr);
   }
 }
 

@@ -359,8 +359,7 @@ Outputs run_driver(const KernelInfo& kernel, const Inputs& in, int threads) {
 Tolerance merged_tolerance(Tolerance tol, double parts) {
   for (std::size_t r = 0; r < tol.o.size(); ++r) {
     const double eta = std::exp(2.0 * tol.lse[r]) * (1.0 + 2.0 * std::ldexp(1.0, -24)) - 1.0;
-    const double weights = eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0;
-    tol.o[r] += (weights + accumulation_factor(parts)) * tol.v_max[r];
+    tol.o[r] += (ref::weight_shift(eta) + accumulation_factor(parts)) * tol.v_max[r];
     tol.lse[r] += std::log1p(eta) + accumulation_factor(parts);
   }
   return tol;

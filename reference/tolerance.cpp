@@ -11,6 +11,8 @@ constexpr double kU = 1.0 / 16777216.0;  // 2^-24, unit roundoff of fp32
 
 double gamma(double n) { return n * kU / (1.0 - n * kU); }
 
+double weight_shift(double eta) { return eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0; }
+
 double accumulation_factor(double n) {
   const double g = gamma(2.0 * n + 2.0);
   const double quotient = 2.0 * g / (1.0 - g);
@@ -56,9 +58,7 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
         const std::size_t r = t.row(b, h, i);
         t.v_max[r] = vmax;
         t.accumulation[r] = accumulation * vmax;
-        // Two distributions never differ by more than 2 in total variation, whatever eta.
-        const double weights = eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0;
-        t.o[r] = (weights + accumulation) * vmax;
+        t.o[r] = (weight_shift(eta) + accumulation) * vmax;
         t.lse[r] = std::log1p(eta) - std::log1p(-g) +
                    (4.0 + exp_ulp) * 2.0 * u * (a + std::log(static_cast<double>(n)) + 1.0);
       }

@@ -70,6 +70,10 @@ struct Tolerance {
 /// gamma(n) = n u / (1 - n u) with u = 2^-24.
 double gamma(double n);
 
+/// Step 2's bound on sum_j |p'_j - p_j| for weights perturbed by at most eta (relative):
+/// 2 eta / (1 - eta), never more than 2 (two distributions differ by at most 2 in total).
+double weight_shift(double eta);
+
 /// Steps 3 and 4 as a relative factor, for n terms: the accumulation bound divided by V.
 double accumulation_factor(double n);
 

@@ -284,19 +284,11 @@ struct Parts {
 /// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
 /// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
 /// every element is read before it is written. Throws std::invalid_argument on bad input.
-inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
-  const std::string problem = check(p);
-  if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
-  if (parts.count < 1 || parts.o == nullptr || parts.lse == nullptr || o == nullptr) {
-    throw std::invalid_argument(
-        "mha::merge: needs parts.count >= 1 and non-null o, parts.o "
-        "and parts.lse");
-  }
-  for (int c = 0; c < parts.count; ++c) {
-    if (parts.o[c] == nullptr || parts.lse[c] == nullptr) {
-      throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
-    }
-  }
+namespace detail {
+
+// merge() without its validation, for callers that built p and parts themselves (the
+// parallel driver merges every unit of an already checked problem).
+inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, float* lse) {
   std::vector<float> weight(static_cast<std::size_t>(parts.count));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (std::int64_t b = 0; b < p.batch; ++b) {
@@ -342,6 +334,24 @@ inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
       }
     }
   }
+}
+
+}  // namespace detail
+
+inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
+  const std::string problem = check(p);
+  if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
+  if (parts.count < 1 || parts.o == nullptr || parts.lse == nullptr || o == nullptr) {
+    throw std::invalid_argument(
+        "mha::merge: needs parts.count >= 1 and non-null o, parts.o "
+        "and parts.lse");
+  }
+  for (int c = 0; c < parts.count; ++c) {
+    if (parts.o[c] == nullptr || parts.lse[c] == nullptr) {
+      throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
+    }
+  }
+  detail::merge_unchecked(p, parts, o, lse);
 }
 
 }  // namespace mha
