@@ -278,12 +278,6 @@ struct Parts {
   LseStrides lse_strides;
 };
 
-/// Merges partial results exactly: with m = max_c lse_c and w_c = exp(lse_c - m),
-///   o = sum_c w_c o_c / sum_c w_c,   lse = m + log(sum_c w_c).
-/// A part whose lse is -inf saw no key and contributes nothing; when every part is -inf the
-/// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
-/// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
-/// every element is read before it is written. Throws std::invalid_argument on bad input.
 namespace detail {
 
 // merge() without its validation, for callers that built p and parts themselves (the
@@ -338,6 +332,12 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 
 }  // namespace detail
 
+/// Merges partial results exactly: with m = max_c lse_c and w_c = exp(lse_c - m),
+///   o = sum_c w_c o_c / sum_c w_c,   lse = m + log(sum_c w_c).
+/// A part whose lse is -inf saw no key and contributes nothing; when every part is -inf the
+/// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
+/// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
+/// every element is read before it is written. Throws std::invalid_argument on bad input.
 inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
   const std::string problem = check(p);
   if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
