@@ -163,28 +163,23 @@ std::vector<Impl> implementations() {
               float* lse, int threads) { parallel_attention(fn, p, q, kk, v, o, lse, threads); },
          std::string(k.name) == "naive"});
   }
-#if MHA_HAVE_OPENBLAS
-  {
-    auto composed = std::make_shared<Composed>(&openblas_gemm);
-    out.push_back({"composed-openblas", kComposedExpUlp,
-                   [composed](const Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse, int threads) {
-                     openblas_set_num_threads(threads);
-                     composed->run(p, q, k, v, o, lse);
+  // A composed baseline: its library's threads set to the benchmark's, then the composition.
+  const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
+    auto c = std::make_shared<Composed>(gemm);
+    out.push_back({name, kComposedExpUlp,
+                   [c, set_threads](const Problem& p, const float* q, const float* k,
+                                    const float* v, float* o, float* lse, int threads) {
+                     set_threads(threads);
+                     c->run(p, q, k, v, o, lse);
                    }});
-  }
+  };
+#if MHA_HAVE_OPENBLAS
+  composed("composed-openblas", &openblas_gemm, [](int n) { openblas_set_num_threads(n); });
 #endif
 #if MHA_HAVE_ONEDNN
-  {
-    auto composed = std::make_shared<Composed>(&onednn_gemm);
-    out.push_back({"composed-onednn", kComposedExpUlp,
-                   [composed](const Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse, int threads) {
-                     omp_set_num_threads(threads);
-                     composed->run(p, q, k, v, o, lse);
-                   }});
-  }
+  composed("composed-onednn", &onednn_gemm, [](int n) { omp_set_num_threads(n); });
 #endif
+  (void)composed;  // unused when neither library was found
   return out;
 }
 
