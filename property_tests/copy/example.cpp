@@ -1,0 +1,147 @@
+// The avx512 kernel used from a copy: README.md's "Copying a kernel into your project" builds
+// this file with avx512.cpp, avx512_exp.h and mha/attention.h alone, and the copy/avx512
+// ctest does exactly that in an empty folder. It runs one small problem and compares the
+// kernel with attention computed here in double precision.
+//
+// Built WITHOUT the AVX-512 flags (only avx512.cpp has them), so the CPU check in main runs
+// before any AVX-512 instruction can: on a CPU without AVX-512 the program says so and exits
+// 77 instead of dying of SIGILL.
+//
+// Exit codes: 0 error within the bound, 1 error above it (or an invalid problem), 77 this
+// CPU lacks AVX-512 (ctest's SKIP_RETURN_CODE).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mha/attention.h"
+
+// From avx512.cpp. Call it only with a problem that passed mha::check, on a CPU with
+// AVX-512 F, VL, DQ and BW and FMA.
+void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
+                              float* o, float* lse);
+
+namespace {
+
+constexpr int kNoAvx512 = 77;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Values in [-1, 1] from a fixed xorshift sequence: the same inputs on every machine.
+std::vector<float> random_tensor(std::int64_t size, std::uint32_t& state) {
+  std::vector<float> x(static_cast<std::size_t>(size));
+  for (float& e : x) {
+    state ^= state << 13;
+    state ^= state >> 17;
+    state ^= state << 5;
+    e = static_cast<float>(static_cast<double>(state) / 2147483648.0 - 1.0);
+  }
+  return x;
+}
+
+// Largest |kernel - exact| over every element of o and lse (infinity if any is NaN), with
+// exact attention computed straight from the formula in mha/attention.h, in double. Needs
+// q_len <= kv_len (every row sees a key).
+double max_error(const mha::Problem& p, const float* q, const float* k, const float* v,
+                 const float* o, const float* lse) {
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  std::vector<double> s_row(static_cast<std::size_t>(p.kv_len));
+  std::vector<double> acc_row(static_cast<std::size_t>(p.head_dim));
+  double* const s = s_row.data();
+  double* const acc = acc_row.data();
+  double worst = 0.0;
+  const auto note = [&worst](double error) {
+    worst = std::isnan(error) ? kInf : std::max(worst, error);
+  };
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      const float* k_head = k + b * p.k.batch + h / group * p.k.head;
+      const float* v_head = v + b * p.v.batch + h / group * p.v.head;
+      for (std::int64_t i = 0; i < p.q_len; ++i) {
+        const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
+        const std::int64_t n = mha::visible_keys(p, i);
+        double m = -kInf;
+        for (std::int64_t j = 0; j < n; ++j) {
+          double dot = 0.0;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            dot += static_cast<double>(q_row[d]) * k_head[j * p.k.seq + d];
+          }
+          s[j] = p.scale * dot;
+          m = std::max(m, s[j]);
+        }
+        double l = 0.0;
+        std::fill(acc, acc + p.head_dim, 0.0);
+        for (std::int64_t j = 0; j < n; ++j) {
+          const double w = std::exp(s[j] - m);
+          l += w;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) acc[d] += w * v_head[j * p.v.seq + d];
+        }
+        const float* o_row = o + b * p.o.batch + i * p.o.seq + h * p.o.head;
+        for (std::int64_t d = 0; d < p.head_dim; ++d) note(std::fabs(o_row[d] - acc[d] / l));
+        note(std::fabs(lse[b * p.lse.batch + h * p.lse.head + i] - (m + std::log(l))));
+      }
+    }
+  }
+  return worst;
+}
+
+// The bound for inputs in [-1, 1], from the problem size: u = 2^-24 (fp32's unit roundoff),
+// D = head_dim, n = kv_len (the most keys a row sees).
+//  * Logits: |scale q.k| <= sqrt(D); the fp32 dot product (D products and sums) and the
+//    scaling err by at most e_s = (D + 1) sqrt(D) u.
+//  * Weights exp(s_j - max) err relatively by 2 e_s (s_j and the max), 3 u (the subtraction
+//    and the exp's 1 ulp) and 3 u per KV tile of at least 16 keys (the online softmax's
+//    rescaling): e_w = 2 e_s + 3 u (1 + ceil(n / 16)).
+//  * o = sum_j w_j v_j / sum_j w_j with |v| <= 1: the weights' errors move it by at most
+//    2 e_w, the two fp32 sums of n terms by 2 n u, the division by u.
+//  * lse = max + log(sum_j w_j) errs by at most e_s + e_w + n u + |lse| u, which is less.
+// For D = 40, n = 53: about 1170 u = 7.0e-5.
+double error_bound(const mha::Problem& p) {
+  const double u = std::ldexp(1.0, -24);
+  const double dim = static_cast<double>(p.head_dim);
+  const double n = static_cast<double>(p.kv_len);
+  const double e_s = (dim + 1) * std::sqrt(dim) * u;
+  const double e_w = 2 * e_s + 3 * u * (1 + std::ceil(n / 16));
+  return 2 * e_w + (2 * n + 1) * u;
+}
+
+}  // namespace
+
+int main() {
+  // GCC and Clang builtins; they also check that the OS saves the AVX-512 registers.
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vl") ||
+      !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("fma")) {
+    std::printf("skipped: this CPU lacks AVX-512 (F, VL, DQ, BW) or FMA\n");
+    return kNoAvx512;
+  }
+
+  // Batch 2; GQA, 6 query heads sharing 2 KV heads; causal against a longer KV cache
+  // (bottom-right aligned: query row i sees keys 0..i+16); head_dim 40, not a multiple of
+  // the 16-float vectors, so the kernel's tails run too.
+  const mha::Problem p = mha::make_problem(/*batch=*/2, /*q_len=*/37, /*kv_len=*/53,
+                                           /*q_heads=*/6, /*kv_heads=*/2, /*head_dim=*/40,
+                                           /*causal=*/true, mha::Layout::token_major);
+  const std::string invalid = mha::check(p);
+  if (!invalid.empty()) {
+    std::printf("invalid problem: %s\n", invalid.c_str());
+    return 1;
+  }
+  std::uint32_t state = 2463534242u;
+  const std::vector<float> q = random_tensor(mha::q_extent(p), state);
+  const std::vector<float> k = random_tensor(mha::k_extent(p), state);
+  const std::vector<float> v = random_tensor(mha::v_extent(p), state);
+  std::vector<float> o(static_cast<std::size_t>(mha::o_extent(p)));
+  std::vector<float> lse(static_cast<std::size_t>(mha::lse_extent(p)));
+
+  mha_f32_attention_avx512(p, q.data(), k.data(), v.data(), o.data(), lse.data());
+
+  const double error = max_error(p, q.data(), k.data(), v.data(), o.data(), lse.data());
+  const double bound = error_bound(p);
+  const bool ok = error <= bound;
+  std::printf("avx512 kernel vs attention in double: max |error| %.3g, bound %.3g: %s\n", error,
+              bound, ok ? "ok" : "FAILED");
+  return ok ? 0 : 1;
+}
