@@ -1,23 +1,27 @@
-// avx512_exp.h: a vectorized exp for non-positive fp32 inputs with AVX-512F, for the avx512
-// attention kernel's softmax weights exp(s - max) and its exp test.
+// avx512_exp.h: a vectorized 2^x for non-positive fp32 inputs with AVX-512F/DQ, for the
+// avx512 attention kernel's softmax weights 2^(s - max) (logits in base 2) and its exp test.
 //
-// exp(x) = 2^n e^r with n = round(x log2(e)) and r = x - n ln2 (|r| <= ln2 / 2), ln2 split
-// in two parts (Cody-Waite) and applied with fused multiply-adds; e^r by a degree-7 Taylor
-// polynomial in Horner form (truncation r^8 / 8! < 2^-27 relative); the 2^n scaling by
-// VSCALEFPS, which rounds once, so results below 2^-126 round correctly into the subnormal
-// range and results below 2^-150 become 0 instead of flushing early.
+// 2^x = 2^floor(x) * 2^f with f = x - floor(x) in [0, 1):
+//   * f by VREDUCEPS (x minus x rounded down to an integer: exact, one instruction);
+//   * 2^f by a degree-6 polynomial in Horner form, fitted to minimize the relative error on
+//     [0, 1) (fitting error 7.5e-9 relative, 0.13 units of 2^-24; the rest is the
+//     rounding of the six fused multiply-adds);
+//   * the scaling by 2^floor(x) by VSCALEFPS, which floors its second operand itself and
+//     rounds once, so results below 2^-126 round correctly into the subnormal range and
+//     results below 2^-150 become 0 instead of flushing early.
+// Eight vector instructions: VREDUCEPS, six FMAs and VSCALEFPS; no clamp is needed.
 //
 // Domain: x <= 0 (what softmax passes: a logit minus a max at least as large), -inf and NaN.
-//   * Measured error: at most 0.9371 ulp (at x = -5.89112377) over every float in [-104, 0]
-//     (subnormal results in units of 2^-149), property_tests/avx512_exp_test.cpp; declared
-//     1 ulp in registry.inc.
-//   * x < -110 is clamped to -110, so exp(-inf) is exactly 0 (e^-110 < 2^-150 rounds to 0).
-//   * NaN gives NaN (the clamps keep a NaN x: VMAXPS/VMINPS return their second source
-//     when either is NaN). Positive x is clamped to 0 (gives 1): not part of the domain.
-// Needs -mavx512f -mfma. Depends on immintrin.h only, which it includes for its users with
-// -W(maybe-)uninitialized off: GCC 12.2 warns inside _mm512_undefined_ps(), the source operand
-// of many unmasked AVX-512 intrinsics (GCC bug 105593, a false positive fixed in 12.3/13).
-// Include this header before anything else that includes immintrin.h.
+//   * Measured error: see property_tests/avx512_exp_test.cpp (every float in [-151, 0],
+//     subnormal results in units of 2^-149); registry.inc declares the bound.
+//   * 2^-inf is exactly 0, as softmax needs for masked weights: VREDUCEPS gives 0 for an
+//     infinite input (so the polynomial gives 1) and VSCALEFPS(1, -inf) is 0. Inputs of
+//     -2^23 and below have no fraction bits either: f = 0 and the scaling underflows to 0.
+//   * NaN gives NaN (VREDUCEPS and VSCALEFPS propagate it). Positive x is outside the domain.
+// Needs -mavx512f -mavx512dq -mfma. Depends on immintrin.h only, which it includes for its
+// users with -W(maybe-)uninitialized off: GCC 12.2 warns inside _mm512_undefined_ps(), the
+// source operand of many unmasked AVX-512 intrinsics (GCC bug 105593, a false positive
+// fixed in 12.3/13). Include this header before anything else that includes immintrin.h.
 #pragma once
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -32,26 +36,18 @@
 
 namespace mha::avx512 {
 
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);  // NaN x stays NaN (second source)
-  x = _mm512_min_ps(_mm512_set1_ps(0.0f), x);
-  // n = round-to-nearest-even(x / ln2), exact in float for |n| <= 159.
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2: ln2_hi has 16 significant bits, so n ln2_hi is exact and the first FMA
-  // rounds only once on a result much smaller than x.
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  // p * 2^n with one rounding (subnormal results included); NaN p or n gives NaN.
-  return _mm512_scalef_ps(p, n);
+inline __m512 exp2_nonpositive(__m512 x) {
+  // f = x - floor(x): imm 0x09 = keep 0 fraction bits, round down, no precision exception.
+  const __m512 f = _mm512_reduce_ps(x, 0x09);
+  __m512 p = _mm512_set1_ps(2.17022302e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.24396954e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67884064e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.54833412e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40229830e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147004e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  // p * 2^floor(x) with one rounding (subnormal results included).
+  return _mm512_scalef_ps(p, x);
 }
 
 }  // namespace mha::avx512
