@@ -18,18 +18,15 @@
 #include <limits>
 
 #include "neon_exp.h"
+#include "ulp.h"
 
 namespace {
 
+using mha::test::bits_of;
+using mha::test::ulp_error;
+
 constexpr double kDeclaredUlp = 1.0;  // registry.inc: MHA_KERNEL(neon, ..., 1.0)
 constexpr std::uint32_t kStride = 7;
-
-double ulp_error(float got, double exact) {
-  if (exact < std::ldexp(1.0, -126)) return std::fabs(got - exact) / std::ldexp(1.0, -149);
-  int e;
-  std::frexp(exact, &e);  // exact in [2^(e-1), 2^e)
-  return std::fabs(got - exact) / std::ldexp(1.0, e - 24);
-}
 
 // Max ulp error over the floats with bit patterns lo_bits, lo_bits + stride, ... <= hi_bits
 // (negative floats: ascending bits are descending values), four per call.
@@ -53,12 +50,6 @@ double worst_error(std::uint32_t lo_bits, std::uint32_t hi_bits, std::uint32_t s
     }
   }
   return worst;
-}
-
-std::uint32_t bits_of(float x) {
-  std::uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
 }
 
 TEST(NeonExp, WithinDeclaredUlpOnFloatsInMinus104To0) {

@@ -1,0 +1,514 @@
+// avx2: multi-head attention with flash-attention tiling and a base-2 online softmax, in
+// fp32, with x86-64 AVX2 + FMA intrinsics, for CPUs without AVX-512. The algorithm of
+// kernels/blocked/blocked.cpp (read that file first), with packed operands and register-
+// blocked microkernels in the manner of a BLAS GEMM.
+//
+// Computes what mha/attention.h specifies: per query head h (reading KV head h / g,
+// g = q_heads / kv_heads), o = softmax(scale * q k^T + causal mask) v and lse = the log of
+// the softmax denominator, one KV tile at a time:
+//
+//   for each (batch, KV head, block of R = g x Br query rows, head-major: row t is head
+//            t / Br, query row r0 + t % Br; all g heads share every KV tile):
+//     pack Q: each group of MR = 6 rows into Qp[d][6]
+//     for each KV tile of Bc = 128 keys some row of the block sees (causal: later tiles
+//              are skipped):
+//       pack K^T into panels Kp[panel][d][16] and V into column panels Vp[panel][key][16]
+//       S = scale log2(e) Q K^T  S microkernel: 6 rows x 16 keys, per K panel for all groups
+//       online softmax in base 2 per row: m_new = max(m, max_j S), alpha = 2^(m - m_new),
+//         P = 2^(S - m_new) in place, l = alpha l + sum_j P    (exp2 in avx2_exp.h)
+//       O = alpha O + P V        PV microkernel: 6 rows x 16 columns, per V panel for all
+//                                groups, alpha applied as the accumulators are loaded
+//     o = O / l, lse = (m + log2 l) ln2
+//
+// ISA: AVX2 + FMA (the file is compiled with -mavx2 -mfma and only called when the CPU has
+// them): 8-float ymm vectors, 16 registers. Both microkernels hold a 6 x 2 grid of ymm
+// accumulators (12 registers; 2 for the streamed operand, 1 for a broadcast): 12 independent
+// FMA chains cover 2 FMA ports x 4 cycles of latency with slack, and each step issues 2
+// vector loads and 6 broadcasts (load-port operations) per 12 FMAs, within 2 load ports.
+//
+// Packing, and why: token-major K and V rows lie H_kv D floats apart (4 KiB at H_kv = 8,
+// D = 128), so reading them in a microkernel hits one L1 set per key and evicts itself. The
+// tile is packed once and then read contiguously: a K panel (16 keys x D, 8 KiB at
+// D = 128) or a V panel (Bc keys x 16 columns, 8 KiB) stays in L1 while every row group of
+// the block streams past it (panel-outer, group-inner loops). Qp[d][6] lets the S
+// microkernel broadcast 6 rows' q_d from one pointer at constant offsets, and the S buffer's
+// compile-time row stride Bc does the same for the PV microkernel's P broadcasts. Zero
+// padding (keys past the tile's end in Kp, columns past D in Vp) keeps the microkernels on
+// whole vectors.
+//
+// Tile sizes. Bc = 128 keys: per tile each row pays one softmax max/rescale step, and each
+// microkernel call amortizes its accumulator loads, stores and epilogue over 128 key or D
+// steps; Kp and Vp hold Bc x D floats each (64 KiB at D = 128). R: every block reads all
+// the K and V it sees from memory (or L3) once, so R divides that traffic; the block's O
+// buffer (R x D16 floats, D16 = D rounded up to 16) is at most 128 KiB, so R = 256 at
+// D = 128, g = 4 (Br = 64: one block per 64-row unit of the parallel driver). Going from
+// R = 128 to 256 made the D = 128 prefill about 4% faster. Qp and the S buffer (R x Bc) are
+// as large as O: each phase works in about 320 KiB (S: Qp, S buffer, Kp; P V: S buffer, O,
+// Vp), in L2 on current cores (1-2 MiB); with a 256 KiB L2 the streamed Qp and S rows come
+// from L3 at about 4 bytes per cycle. Packing a tile (transposes, about 10^4 instructions)
+// is spread over R rows.
+//
+// Prefetch: packing reads K and V rows one page apart, which the hardware prefetchers do
+// not follow, so every row would start with a cache miss. While S runs, the tile's V rows
+// are prefetched into L2, a few lines per microkernel call; while P V runs, the next tile's
+// K rows.
+//
+// Causal masking is bottom-right aligned, so every row sees a prefix of the keys: a per-row
+// count. The S epilogue sets the logits of keys a row does not see to -inf (so their
+// weights are exactly 0 and the row max ignores them); S panels no row of a group sees are
+// not computed. P V visits only keys a row sees: keys every row of a microkernel group sees
+// go through the 6-row kernel, each row's extra keys (the causal diagonal) through a
+// 1-row pass, so NaN or Inf in a V row a query row does not see never reaches it (not even
+// as 0 x Inf). A row that sees no key stays all-zero: o = 0, lse = -inf. NaN logits are
+// ignored by the max (VMAXPS returns its second source, the running max, when the first is
+// NaN) and reach l and O through their weights, as in blocked.
+//
+// Tails: any key count, row count and head_dim. Tensor memory is touched only at its
+// elements: rows by _mm256_maskload_ps / _mm256_maskstore_ps (which do not fault on
+// masked-off lanes) and scalar reads. Reads only elements the strides address (of keys, only
+// those some row of the block sees); writes only o's and lse's elements, each once.
+//
+// Layout: any strides mha::check accepts (token-major, head-major, padded, stride 0, shared
+// inputs); no alignment assumed for tensors. Scratch is 64-byte aligned.
+//
+// Scratch, allocated once per call, in floats: Bc D (Kp) + Bc D16 (Vp) + R6 D (Qp, R6 = R
+// rounded up to 6) + R Bc (S) + R D16 (O) + 8 R (row maxima) + 3 R: about 530 KiB at
+// D = 128, g = 4. Kp and Vp grow with D (2 MiB each at D = 4096).
+//
+// Depends on mha/attention.h and avx2_exp.h (this folder) only.
+#include "avx2_exp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "mha/attention.h"
+
+namespace {
+
+constexpr int kRows = 6;    // MR: query rows per microkernel group
+constexpr int kPanel = 16;  // keys per K panel = columns per V panel (2 ymm)
+constexpr std::int64_t kKeys = 128;
+constexpr std::int64_t kPass = 2;             // Bc: keys per KV tile, the S buffer's row stride
+constexpr std::int64_t kBlockFloats = 32768;  // R x D16 <= this (128 KiB), at least g rows
+
+std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+// Lanes [0, n) of a ymm (none for n <= 0, all for n >= 8), as a maskload/maskstore mask.
+__m256i first_lanes(std::int64_t n) {
+  const int c = static_cast<int>(std::clamp<std::int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Logits relative to 0 while the running max is -inf: see blocked's subtrahend().
+float subtrahend(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
+
+float horizontal_max(__m256 x) {
+  __m128 v = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_max_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+float horizontal_sum(__m256 x) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+
+// In-register transpose: r[i] lane j becomes r[j] lane i.
+void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 b + c]: in each 128-bit half, rows 4b .. 4b + 3 of column c (resp. 4 + c).
+  __m256 u[8];
+  for (int b = 0; b < 2; ++b) {
+    u[4 * b + 0] = _mm256_shuffle_ps(t[4 * b], t[4 * b + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * b + 1] = _mm256_shuffle_ps(t[4 * b], t[4 * b + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * b + 2] = _mm256_shuffle_ps(t[4 * b + 1], t[4 * b + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * b + 3] = _mm256_shuffle_ps(t[4 * b + 1], t[4 * b + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// n floats (1 .. 8) of a tensor row; lanes past n are 0 and their memory is not touched.
+__m256 load_part(const float* x, std::int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, first_lanes(n));
+}
+
+// kp[panel][d][i] = k[16 panel + i][d], 0 for keys >= keys, over round_up(keys, 16) keys.
+// k: [keys][dim], row stride k_seq   kp: [panels][dim][16]
+void pack_k(const float* k, std::int64_t k_seq, std::int64_t keys, std::int64_t dim, float* kp) {
+  for (std::int64_t j0 = 0; j0 < round_up(keys, kPanel); j0 += 8) {
+    float* panel = kp + (j0 / kPanel) * dim * kPanel + j0 % kPanel;
+    const std::int64_t nj = keys - j0;
+    if (nj <= 0) {  // the upper half of the last panel: zeros
+      for (std::int64_t d = 0; d < dim; ++d)
+        _mm256_storeu_ps(panel + d * kPanel, _mm256_setzero_ps());
+      continue;
+    }
+    for (std::int64_t d0 = 0; d0 < dim; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = i < nj ? load_part(k + (j0 + i) * k_seq + d0, dim - d0) : _mm256_setzero_ps();
+      }
+      transpose8(r);
+      const std::int64_t nd = std::min<std::int64_t>(8, dim - d0);
+      for (int i = 0; i < nd; ++i) _mm256_storeu_ps(panel + (d0 + i) * kPanel, r[i]);
+    }
+  }
+}
+
+// vp[panel][j][c] = v[j][16 panel + c], 0 for columns >= dim.
+// v: [keys][dim], row stride v_seq   vp: [panels][kKeys][16]
+void pack_v(const float* v, std::int64_t v_seq, std::int64_t keys, std::int64_t dim, float* vp) {
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float* row = v + j * v_seq;
+    for (std::int64_t c = 0; c < dim; c += 8) {
+      _mm256_storeu_ps(vp + (c / kPanel) * kKeys * kPanel + j * kPanel + c % kPanel,
+                       load_part(row + c, dim - c));
+    }
+    if (dim % kPanel != 0 && dim % kPanel <= 8) {  // the last panel's upper half: zeros
+      _mm256_storeu_ps(vp + (dim / kPanel) * kKeys * kPanel + j * kPanel + 8, _mm256_setzero_ps());
+    }
+  }
+}
+
+// qp[d][r] = q[r][d] for r < nr, 0 for nr <= r < 6.   q[r]: [dim]   qp: [dim][6]
+void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
+  for (int r = 0; r < kRows; ++r) {
+    for (std::int64_t d = 0; d < dim; ++d) qp[d * kRows + r] = r < nr ? q[r][d] : 0.0f;
+  }
+}
+
+// The S microkernel: s[r][0 .. 16) = c sum_d qp[d][r] kp[d][0 .. 16) for r < MR, with
+// lanes >= limit[r] set to -inf (keys row r does not see); rowmax[r] (8 lanes) takes the
+// lane-wise max, ignoring NaN logits.
+// qp: [dim][6]   kp: [dim][16] (one panel)   s: [MR][kKeys]   rowmax: [MR][8]
+template <int MR>
+void logits_tile(const float* qp, const float* kp, std::int64_t dim, float c,
+                 const std::int64_t* limit, float* s, float* rowmax) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (std::int64_t d = 0; d < dim; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(kp + d * kPanel);
+    const __m256 b1 = _mm256_loadu_ps(kp + d * kPanel + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(qp + d * kRows + r);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  const __m256 cv = _mm256_set1_ps(c);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < MR; ++r) {
+    __m256 x0 = _mm256_mul_ps(acc[r][0], cv), x1 = _mm256_mul_ps(acc[r][1], cv);
+    if (limit[r] < kPanel) {
+      x0 = _mm256_blendv_ps(neg_inf, x0, _mm256_castsi256_ps(first_lanes(limit[r])));
+      x1 = _mm256_blendv_ps(neg_inf, x1, _mm256_castsi256_ps(first_lanes(limit[r] - 8)));
+    }
+    _mm256_storeu_ps(s + r * kKeys, x0);
+    _mm256_storeu_ps(s + r * kKeys + 8, x1);
+    // Running max second: a NaN x leaves it unchanged.
+    const __m256 m = _mm256_max_ps(x1, _mm256_loadu_ps(rowmax + 8 * r));
+    _mm256_storeu_ps(rowmax + 8 * r, _mm256_max_ps(x0, m));
+  }
+}
+
+// The PV microkernel: o[r][0 .. 16) = alpha[r] o[r][0 .. 16) + sum_{j < keys} p[r][j]
+// vp[j][0 .. 16) for r < MR; alpha null: no rescale.
+// p: [MR][kKeys]   vp: [keys][16] (one panel)   o: [MR][ld_o]
+template <int MR>
+void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* alpha, float* o,
+             std::int64_t ld_o) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = _mm256_loadu_ps(o + r * ld_o);
+    acc[r][1] = _mm256_loadu_ps(o + r * ld_o + 8);
+    if (alpha != nullptr) {
+      const __m256 a = _mm256_broadcast_ss(alpha + r);
+      acc[r][0] = _mm256_mul_ps(acc[r][0], a);
+      acc[r][1] = _mm256_mul_ps(acc[r][1], a);
+    }
+  }
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const __m256 b0 = _mm256_loadu_ps(vp + j * kPanel);
+    const __m256 b1 = _mm256_loadu_ps(vp + j * kPanel + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(p + r * kKeys + j);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(o + r * ld_o, acc[r][0]);
+    _mm256_storeu_ps(o + r * ld_o + 8, acc[r][1]);
+  }
+}
+
+// Calls f(std::integral_constant<int, nr>()): a microkernel instantiated for a group of
+// nr (1 .. 6) rows.
+template <typename F>
+void for_rows(int nr, F f) {
+  switch (nr) {
+    case 6:
+      return f(std::integral_constant<int, 6>());
+    case 5:
+      return f(std::integral_constant<int, 5>());
+    case 4:
+      return f(std::integral_constant<int, 4>());
+    case 3:
+      return f(std::integral_constant<int, 3>());
+    case 2:
+      return f(std::integral_constant<int, 2>());
+    default:
+      return f(std::integral_constant<int, 1>());
+  }
+}
+
+// One row's base-2 online-softmax step over its `cols` (>= 1) logits of this tile: s
+// becomes the weights 2^(s - m_new); lanes up to the next multiple of 8 are -inf (masked
+// by the S epilogue) and become 0. rowmax: the row's 8 lane maxima over the tile.
+void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, float* l,
+                    float* alpha) {
+  const float m_old = *m;
+  const float tile_max = horizontal_max(_mm256_loadu_ps(rowmax));  // no lane is NaN
+  const float m_new = tile_max > m_old ? tile_max : m_old;
+  float a = 1.0f;
+  if (m_new > m_old) {
+    a = std::exp2(m_old - m_new);  // exactly 0 when m_old is -inf
+    *m = m_new;
+  }
+  const __m256 base = _mm256_set1_ps(subtrahend(m_new));
+  __m256 sum = _mm256_setzero_ps();
+  for (std::int64_t j = 0; j < cols; j += 8) {
+    const __m256 w = mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), base));
+    _mm256_storeu_ps(s + j, w);
+    sum = _mm256_add_ps(sum, w);
+  }
+  *l = *l * a + horizontal_sum(sum);
+  *alpha = a;
+}
+
+// o = acc / l and lse = (m + log2 l) ln2 (see blocked's finish_row).
+void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
+                float* o, float* lse) {
+  const __m256 lv = _mm256_set1_ps(l);  // a division: one rounding, as the tolerance assumes
+  for (std::int64_t d = 0; d < dim; d += 8) {
+    const __m256 x =
+        visible == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(acc + d), lv);
+    if (dim - d >= 8) {
+      _mm256_storeu_ps(o + d, x);
+    } else {
+      _mm256_maskstore_ps(o + d, first_lanes(dim - d), x);
+    }
+  }
+  if (lse == nullptr) return;
+  if (visible == 0) {
+    *lse = -std::numeric_limits<float>::infinity();
+  } else if (l == 0.0f) {  // every logit -inf: o is 0 / 0 = NaN, and so is lse
+    *lse = std::numeric_limits<float>::quiet_NaN();
+  } else {
+    *lse = (subtrahend(m) + std::log2(l)) * 0.693147180559945309f;
+  }
+}
+
+// Software prefetch of the tensor rows a later phase packs, a few cache lines per
+// microkernel call, into L2 (_MM_HINT_T1: L1 holds the panels). Token-major K and V rows
+// are one page apart, too far for the hardware prefetchers, so without this every packed
+// row waits on a cache miss; spread over the calls of the phase before, the next tile's
+// rows arrive while the FMAs run. Prefetches never fault and change no result; the
+// addresses are elements of the rows.
+class RowPrefetch {
+ public:
+  RowPrefetch() = default;
+  // Rows [0, rows) of `base` (row stride `seq`, `dim` floats each), over about `calls` steps.
+  RowPrefetch(const float* base, std::int64_t seq, std::int64_t rows, std::int64_t dim,
+              std::int64_t calls)
+      : row_(base),
+        seq_(seq),
+        last_(dim - 1),
+        lines_((dim + 15) / 16 + 1),  // +1: a row need not start at a line
+        rows_left_(rows),
+        per_step_((rows * lines_ + calls - 1) / std::max<std::int64_t>(calls, 1)) {}
+
+  void step() {
+    for (std::int64_t n = 0; n < per_step_ && rows_left_ > 0; ++n) {
+      _mm_prefetch(reinterpret_cast<const char*>(row_ + std::min(16 * line_, last_)), _MM_HINT_T1);
+      if (++line_ == lines_) {
+        line_ = 0;
+        row_ += seq_;
+        --rows_left_;
+      }
+    }
+  }
+
+ private:
+  const float* row_ = nullptr;  // the row being prefetched; line_ is its next line
+  std::int64_t seq_ = 0, last_ = 0, lines_ = 1, line_ = 0, rows_left_ = 0, per_step_ = 0;
+};
+
+// 64-byte aligned scratch.
+class Scratch {
+ public:
+  explicit Scratch(std::int64_t floats) : buffer_(static_cast<std::size_t>(floats + 16)) {}
+  // The next n floats (a multiple of 16 keeps the alignment).
+  float* take(std::int64_t n) {
+    const auto base = reinterpret_cast<std::uintptr_t>(buffer_.data());
+    float* p = reinterpret_cast<float*>((base + 63) / 64 * 64) + used_;
+    used_ += round_up(n, 16);
+    return p;
+  }
+
+ private:
+  std::vector<float> buffer_;
+  std::int64_t used_ = 0;
+};
+
+}  // namespace
+
+void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* k, const float* v,
+                            float* o, float* lse) {
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  const std::int64_t dim = p.head_dim;
+  const std::int64_t dim16 = round_up(dim, kPanel);  // O row stride, V panels x 16
+  const std::int64_t rows_per_head =
+      std::clamp(kBlockFloats / (group * dim16), std::int64_t{1}, p.q_len);
+  const std::int64_t max_rows = group * rows_per_head;
+  const std::int64_t max_groups = (max_rows + kRows - 1) / kRows;
+  // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
+  const float c = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+
+  // Sizes in floats, each taken rounded up to 16.
+  const std::int64_t sizes[] = {kKeys * dim,      dim16 * kKeys,    max_groups * kRows * dim,
+                                max_rows * kKeys, max_rows * dim16, 8 * max_rows,
+                                max_rows,         max_rows,         max_rows};
+  std::int64_t total = 0;
+  for (std::int64_t n : sizes) total += round_up(n, 16);
+  Scratch scratch(total);
+  float* const kp = scratch.take(sizes[0]);      // [kKeys / 16][dim][16]
+  float* const vp = scratch.take(sizes[1]);      // [dim16 / 16][kKeys][16]
+  float* const qp = scratch.take(sizes[2]);      // [groups][dim][6]
+  float* const s = scratch.take(sizes[3]);       // [rows][kKeys]
+  float* const acc = scratch.take(sizes[4]);     // [rows][dim16]
+  float* const rowmax = scratch.take(sizes[5]);  // [rows][8]
+  float* const m = scratch.take(sizes[6]);
+  float* const l = scratch.take(sizes[7]);
+  float* const alpha = scratch.take(sizes[8]);
+  std::vector<std::int64_t> cols(static_cast<std::size_t>(max_rows));
+
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
+      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
+      const std::int64_t head0 = kv_head * group;
+
+      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += rows_per_head) {
+        // Block row t is query head head0 + t / br, query row r0 + t % br.
+        const std::int64_t br = std::min(rows_per_head, p.q_len - r0);
+        const std::int64_t rows = group * br;
+        for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
+          const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
+          const float* qr[kRows];
+          for (int r = 0; r < nr; ++r) {
+            const std::int64_t t = t0 + r;
+            qr[r] = q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head;
+          }
+          pack_q(qr, nr, dim, qp + t0 * dim);
+        }
+        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + rows, 0.0f);
+        std::fill(acc, acc + rows * dim16, 0.0f);
+
+        const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
+        for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
+          const std::int64_t tile_keys = std::min(kKeys, block_keys - c0);
+          for (std::int64_t t = 0; t < rows; ++t) {  // the tile's keys row t sees: a prefix
+            cols[t] =
+                std::clamp(mha::visible_keys(p, r0 + t % br) - c0, std::int64_t{0}, tile_keys);
+          }
+          pack_k(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, kp);
+          // V of this tile arrives during S, K of the next one during P V.
+          const std::int64_t groups = (rows + kRows - 1) / kRows;
+          const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
+          RowPrefetch v_ahead(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim,
+                              groups * ((tile_keys + kPanel - 1) / kPanel));
+          RowPrefetch k_ahead;
+          if (next_keys > 0) {
+            k_ahead = RowPrefetch(k_head + (c0 + kKeys) * p.k.seq, p.k.seq, next_keys, dim,
+                                  groups * (dim16 / kPanel));
+          }
+
+          // S, panel by panel, each panel reused by every group from L1.
+          std::fill(rowmax, rowmax + 8 * rows, -std::numeric_limits<float>::infinity());
+          for (std::int64_t j0 = 0; j0 < tile_keys; j0 += kPanel) {
+            for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
+              const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
+              std::int64_t limit[kRows], most = 0;
+              for (int r = 0; r < nr; ++r) {
+                limit[r] = cols[t0 + r] - j0;
+                most = std::max(most, limit[r]);
+              }
+              if (most <= 0) continue;  // no row of the group sees this panel
+              for_rows(nr, [&](auto mr) {
+                logits_tile<decltype(mr)::value>(qp + t0 * dim, kp + j0 * dim, dim, c, limit,
+                                                 s + t0 * kKeys + j0, rowmax + 8 * t0);
+              });
+              v_ahead.step();
+            }
+          }
+          for (std::int64_t t = 0; t < rows; ++t) {
+            alpha[t] = 1.0f;
+            if (cols[t] > 0)
+              online_softmax(s + t * kKeys, cols[t], rowmax + 8 * t, m + t, l + t, alpha + t);
+          }
+
+          // O = alpha O + P V, column panel by column panel.
+          pack_v(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim, vp);
+          for (std::int64_t c16 = 0; c16 < dim16; c16 += kPanel) {
+            const float* panel = vp + (c16 / kPanel) * kKeys * kPanel;
+            for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
+              const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
+              std::int64_t shared = tile_keys, most = 0;
+              for (int r = 0; r < nr; ++r) {
+                shared = std::min(shared, cols[t0 + r]);
+                most = std::max(most, cols[t0 + r]);
+              }
+              if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
+              k_ahead.step();
+              float* o_rows = acc + t0 * dim16 + c16;
+              for_rows(nr, [&](auto mr) {
+                pv_tile<decltype(mr)::value>(s + t0 * kKeys, shared, panel, alpha + t0, o_rows,
+                                             dim16);
+              });
+              for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
+                const std::int64_t extra = cols[t0 + r] - shared;
+                if (extra > 0) {
+                  pv_tile<1>(s + (t0 + r) * kKeys + shared, extra, panel + shared * kPanel, nullptr,
+                             o_rows + r * dim16, dim16);
+                }
+              }
+            }
+          }
+        }
+
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t row = r0 + t % br, head = head0 + t / br;
+          finish_row(acc + t * dim16, m[t], l[t], mha::visible_keys(p, row), dim,
+                     o + b * p.o.batch + row * p.o.seq + head * p.o.head,
+                     lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
+        }
+      }
+    }
+  }
+}
