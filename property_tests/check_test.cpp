@@ -310,6 +310,25 @@ TEST(Registry, DetectsTheEmulatedCpu) {
   EXPECT_STREQ(isa_name(top), expected);
 }
 
+// The test command names the ISA the best kernel must have: under emulation the CPU
+// model's best, natively the MHA_MAX_ISA cap (capped/avx2), so that mha::attention()
+// demonstrably runs that ISA's kernel in those runs.
+TEST(Registry, BestKernelHasTheExpectedIsa) {
+  const char* expected = std::getenv("MHA_EXPECT_BEST_ISA");
+  if (expected == nullptr) GTEST_SKIP() << "MHA_EXPECT_BEST_ISA not set";
+  bool known = false;
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::neon}) {
+    if (std::string(expected) != isa_name(isa)) continue;
+    known = true;
+    // A native capped run on a CPU without that ISA has nothing to check.
+    if (std::getenv("MHA_EXPECT_CPU_ISA") == nullptr && !cpu_supports(isa)) {
+      GTEST_SKIP() << "this CPU lacks " << expected;
+    }
+  }
+  ASSERT_TRUE(known) << "MHA_EXPECT_BEST_ISA=" << expected;
+  EXPECT_STREQ(isa_name(best_kernel().isa), expected);
+}
+
 TEST(Driver, NumThreadsFromTheEnvironment) {
   {
     ScopedEnv env("MHA_NUM_THREADS", "3");
