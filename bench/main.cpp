@@ -132,6 +132,9 @@ struct Impl {
                      int threads)>
       run;
   bool naive = false;
+  // The ISA whose FMA peak peak_frac is over: the kernel's; empty for the baselines (the
+  // widest, as for scalar kernels).
+  std::string isa;
 };
 
 #if MHA_HAVE_OPENBLAS
@@ -161,7 +164,7 @@ std::vector<Impl> implementations() {
         {k.name, k.exp_ulp,
          [fn](const Problem& p, const float* q, const float* kk, const float* v, float* o,
               float* lse, int threads) { parallel_attention(fn, p, q, kk, v, o, lse, threads); },
-         std::string(k.name) == "naive"});
+         std::string(k.name) == "naive", isa_name(k.isa)});
   }
   // A composed baseline: its library's threads set to the benchmark's, then the composition.
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
@@ -171,7 +174,8 @@ std::vector<Impl> implementations() {
                                     const float* v, float* o, float* lse, int threads) {
                      set_threads(threads);
                      c->run(p, q, k, v, o, lse);
-                   }});
+                   },
+                   false, ""});
   };
 #if MHA_HAVE_OPENBLAS
   composed("composed-openblas", &openblas_gemm, [](int n) { openblas_set_num_threads(n); });
@@ -314,7 +318,7 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   const int all = s.threads > 1 ? 1 : 0;
   const double gflops = flops(p) / 1e9 * per_second;
   state.counters["GFLOPS"] = gflops;
-  state.counters["peak_frac"] = gflops / probe.fma_gflops[all];
+  state.counters["peak_frac"] = gflops / probe.fma_peak(impl.isa).gflops[all];
   if (s.decode()) {
     const double bytes = static_cast<double>(kv_bytes(p));
     const double gbps = bytes / 1e9 * per_second;
@@ -451,9 +455,15 @@ int main(int argc, char** argv) {
   ctx("mha_best_kernel", mha::best_kernel().name);
   ctx("mha_best_isa", mha::isa_name(mha::best_kernel().isa));
   ctx("mha_cores", std::to_string(probe.cores));
-  ctx("probe_fma_isa", probe.fma_isa);
-  ctx("probe_fma_gflops_1t", fixed(probe.fma_gflops[0]));
-  ctx("probe_fma_gflops_all", fixed(probe.fma_gflops[1]));
+  // The widest FMA's peak under its own keys, then every measured ISA's (the widest too).
+  const FmaPeak& widest = probe.fma.front();
+  ctx("probe_fma_isa", widest.isa);
+  ctx("probe_fma_gflops_1t", fixed(widest.gflops[0]));
+  ctx("probe_fma_gflops_all", fixed(widest.gflops[1]));
+  for (const FmaPeak& peak : probe.fma) {
+    ctx("probe_fma_" + peak.isa + "_gflops_1t", fixed(peak.gflops[0]));
+    ctx("probe_fma_" + peak.isa + "_gflops_all", fixed(peak.gflops[1]));
+  }
   ctx("probe_l1_gbps_1t", fixed(probe.l1_gbps[0]));
   ctx("probe_l2_gbps_1t", fixed(probe.l2_gbps[0]));
   if (probe.l3_gbps[0] > 0) ctx("probe_l3_gbps_1t", fixed(probe.l3_gbps[0]));
@@ -465,15 +475,22 @@ int main(int argc, char** argv) {
   ctx("cache_l1d_bytes", std::to_string(caches.l1d));
   ctx("cache_l2_bytes", std::to_string(caches.l2));
   ctx("cache_l3_bytes", std::to_string(caches.l3));
+  std::string peaks;  // "216.0 / 431.2 avx512, 108.1 / 216.0 avx2"
+  for (const FmaPeak& peak : probe.fma) {
+    peaks += (peaks.empty() ? "" : ", ") + fixed(peak.gflops[0]) + " / " + fixed(peak.gflops[1]) +
+             " " + peak.isa;
+  }
   std::fprintf(stderr,
-               "mha_bench: FMA peak %.1f GFLOP/s (1 core, %s), %.1f (%d cores); read GB/s "
-               "L1 %.0f, L2 %.0f, L3 %.0f, DRAM %.1f (1 core; 0 = not measured)\n",
-               probe.fma_gflops[0], probe.fma_isa.c_str(), probe.fma_gflops[1], probe.cores,
-               probe.l1_gbps[0], probe.l2_gbps[0], probe.l3_gbps[0], probe.dram_gbps[0]);
+               "mha_bench: FMA peak GFLOP/s (1 core / %d cores) %s; read GB/s L1 %.0f, L2 %.0f, "
+               "L3 %.0f, DRAM %.1f (1 core; 0 = not measured)\n",
+               probe.cores, peaks.c_str(), probe.l1_gbps[0], probe.l2_gbps[0], probe.l3_gbps[0],
+               probe.dram_gbps[0]);
 
   if (probe_only) {
-    std::printf("probe: FMA peak %.1f / %.1f GFLOP/s (1 core / %d cores, %s)\n",
-                probe.fma_gflops[0], probe.fma_gflops[1], probe.cores, probe.fma_isa.c_str());
+    for (const FmaPeak& peak : probe.fma) {
+      std::printf("probe: FMA peak %.1f / %.1f GFLOP/s (1 core / %d cores, %s)\n", peak.gflops[0],
+                  peak.gflops[1], probe.cores, peak.isa.c_str());
+    }
     const char* level[] = {"L1", "L2", "L3", "DRAM"};
     const double* gbps[] = {probe.l1_gbps, probe.l2_gbps, probe.l3_gbps, probe.dram_gbps};
     for (int i = 0; i < 4; ++i) {

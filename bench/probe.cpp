@@ -51,17 +51,19 @@ ProbeKernels probe_kernels_scalar() { return {"scalar", &scalar_fma, &scalar_rea
 
 namespace {
 
-// The widest vector FMA this CPU has (MHA_MAX_ISA does not apply: this is the machine's
-// limit, whatever the kernels are allowed to use).
-ProbeKernels best_kernels() {
+// The vector ISAs this CPU has, widest first (MHA_MAX_ISA does not apply: these are the
+// machine's limits, whatever the kernels are allowed to use).
+std::vector<ProbeKernels> vector_kernels() {
+  std::vector<ProbeKernels> out;
 #if defined(__x86_64__)
-  if (cpu_supports(Isa::avx512)) return probe_kernels_avx512();
-  if (cpu_supports(Isa::avx2)) return probe_kernels_avx2();
+  if (cpu_supports(Isa::avx512)) out.push_back(probe_kernels_avx512());
+  if (cpu_supports(Isa::avx2)) out.push_back(probe_kernels_avx2());
 #endif
 #if defined(__aarch64__)
-  return probe_kernels_neon();
+  out.push_back(probe_kernels_neon());
 #endif
-  return probe_kernels_scalar();
+  if (out.empty()) out.push_back(probe_kernels_scalar());
+  return out;
 }
 
 std::int64_t parse_size(const std::string& s) {  // "48K", "2048K", "480M"
@@ -163,16 +165,27 @@ std::string cpu_model() {
   return "unknown";
 }
 
+const FmaPeak& Probe::fma_peak(const std::string& isa) const {
+  for (const FmaPeak& peak : fma) {
+    if (peak.isa == isa) return peak;
+  }
+  return fma.front();
+}
+
 Probe run_probe(bool dram) {
   Probe p;
   p.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   p.caches = detect_caches();
-  const ProbeKernels k = best_kernels();
-  p.fma_isa = k.isa;
+  const std::vector<ProbeKernels> kernels = vector_kernels();
+  for (const ProbeKernels& k : kernels) p.fma.push_back({k.isa});
+  const ProbeKernels& k = kernels.front();  // reads with the widest vectors
   for (int all = 0; all < 2; ++all) {
     const int threads = all ? p.cores : 1;
     // About 50 ms a run at 100 GFLOP/s per core.
-    p.fma_gflops[all] = best_rate(threads, 7, [&](int) { return k.fma(400000); }) / 1e9;
+    for (std::size_t i = 0; i < kernels.size(); ++i) {
+      p.fma[i].gflops[all] =
+          best_rate(threads, 7, [&](int) { return kernels[i].fma(400000); }) / 1e9;
+    }
     const Caches& c = p.caches;
     const std::int64_t l1 = c.l1d > 0 ? c.l1d / 2 : 16 << 10;
     const std::int64_t l2 = c.l2 > 0 ? c.l2 / 2 : 512 << 10;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mha::bench {
 
@@ -14,15 +15,27 @@ struct Caches {
 };
 Caches detect_caches();
 
-struct Probe {
-  int cores = 1;
-  std::string fma_isa;        ///< the vector FMA the peak was measured with
-  double fma_gflops[2] = {};  ///< fp32 FMA peak: [0] one core, [1] all cores
-  double l1_gbps[2] = {}, l2_gbps[2] = {}, l3_gbps[2] = {}, dram_gbps[2] = {};
-  Caches caches;
+/// The fp32 FMA peak with one instruction set's vector FMA.
+struct FmaPeak {
+  std::string isa;        ///< an mha::isa_name, or "scalar" (multiply and add)
+  double gflops[2] = {};  ///< [0] one core, [1] all cores
 };
 
-/// Measures the FMA peak (enough independent FMA chains to cover the latency on every FMA
+struct Probe {
+  int cores = 1;
+  /// FMA peaks: first with the widest vector FMA this CPU has (the machine's limit), then
+  /// with each narrower vector ISA a kernel may be limited to (x86-64 with AVX-512: AVX2,
+  /// whose 8-float FMA does half the work per instruction).
+  std::vector<FmaPeak> fma;
+  double l1_gbps[2] = {}, l2_gbps[2] = {}, l3_gbps[2] = {}, dram_gbps[2] = {};
+  Caches caches;
+
+  /// The peak a kernel needing `isa` is measured against: that ISA's when it was measured,
+  /// else the widest (scalar kernels, baselines).
+  const FmaPeak& fma_peak(const std::string& isa) const;
+};
+
+/// Measures the FMA peaks (enough independent FMA chains to cover the latency on every FMA
 /// port, best of several repeats) and the read bandwidth of buffers sized for L1, L2, L3 and
 /// DRAM (4x the last-level cache), on one core and on all cores. `dram` false skips the
 /// DRAM buffer (several GiB on machines with a large L3) when no benchmark needs it.
