@@ -6,21 +6,25 @@
 // its degree-7 Taylor polynomial in f (coefficients ln2^k / k!, Horner form with fused
 // multiply-adds; truncation (ln2 / 2)^8 / 8! < 2^-27 relative).
 //
-// AVX2 has no VSCALEFPS, so 2^n is built by shifting n + 127 into the exponent field.
-// That covers n >= -126 only; results below 2^-126 are subnormal. Both halves of n
-// (n1 = floor(n / 2) and n - n1, each in [-80, 0]) give normal powers of two instead, and
-// p 2^n1 2^(n - n1) is exact in the first product and rounds once in the second, so
-// subnormal results are correctly rounded from p and results below 2^-150 become 0 rather
-// than flushing early.
+// AVX2 has no VSCALEFPS: 2^n is built in the exponent field. One addition does the
+// rounding and the field at once: t = x + (1.5 2^23 + 127) rounds x to an integer (t's ulp
+// is 1) and leaves n + 127 in t's low mantissa bits, so t << 23 is the float 2^n, and
+// t - (1.5 2^23 + 127) is n exactly. x is clamped to -127 first, which makes n + 127 >= 0:
+// n = -127 gives the field 0, i.e. the float +0, so results below 2^-126.5 flush to 0.
+// reference/tolerance.h (step 4) allows weights below 2^-126 to flush. Building 2^n in two
+// halves instead would round those results correctly into the subnormal range, at 8 more
+// instructions per vector: the softmax's exp is 7% of the D = 128 prefill and 14% at
+// D = 64, so the flush is the cheaper contract. For n = -126 the product p 2^n is still
+// correctly rounded, subnormal or not.
 //
 // Domain: x <= 0 (what softmax passes: a logit minus a max at least as large), -inf, NaN.
-//   * Measured error: at most 0.9133 ulp (at x = -126.49012) over every float in [-151, 0]
-//     (subnormal results in units of 2^-149), and exactly 0 for every float below -151,
-//     property_tests/avx2_exp_test.cpp; declared 1 ulp in registry.inc.
-//   * x < -160 is clamped to -160, so 2^-inf is exactly 0 (2^-160 rounds to 0).
-//   * NaN gives NaN (the clamps keep a NaN x: VMAXPS/VMINPS return their second source when
-//     either is NaN; then f and p are NaN). Positive x is clamped to 0 (gives 1): not part
-//     of the domain.
+//   * Measured error: at most 0.9133 ulp (at x = -126.49012) over every float in
+//     (-126.5, 0] (subnormal results in units of 2^-149), and exactly 0 for every float
+//     from -126.5 down to -inf, property_tests/avx2_exp_test.cpp; declared 1 ulp in
+//     registry.inc.
+//   * -inf gives exactly 0 (clamped to -127).
+//   * NaN gives NaN: the clamp keeps a NaN x (VMAXPS returns its second source when either
+//     is NaN), and then t, f and p are NaN.
 // Needs -mavx2 -mfma. Depends on immintrin.h only.
 #pragma once
 
@@ -29,10 +33,10 @@
 namespace mha::avx2 {
 
 inline __m256 exp2_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-160.0f), x);  // NaN x stays NaN (second source)
-  x = _mm256_min_ps(_mm256_set1_ps(0.0f), x);
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);  // exact (see above)
+  const __m256 shifter = _mm256_set1_ps(12583039.0f);            // 1.5 2^23 + 127
+  x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);                 // NaN x stays NaN (second source)
+  const __m256 t = _mm256_add_ps(x, shifter);                    // 1.5 2^23 + n + 127, n = round(x)
+  const __m256 f = _mm256_sub_ps(x, _mm256_sub_ps(t, shifter));  // both exact
   // ln2^k / k! for k = 7 .. 1, rounded to float.
   __m256 p = _mm256_set1_ps(1.52527338e-5f);
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.54035304e-4f));
@@ -42,16 +46,10 @@ inline __m256 exp2_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226507e-1f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147181e-1f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  // 2^n1 and 2^n2 with n1 + n2 = n, both in [-80, 0]: exponent fields n_i + 127 in [47, 127].
-  // A NaN n converts to INT_MIN and builds some bit pattern; p is NaN then and so is the
-  // product.
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i n1 = _mm256_srai_epi32(ni, 1);
-  const __m256i n2 = _mm256_sub_epi32(ni, n1);
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  // The exponent field n + 127 (0 .. 127) moved into place: 2^n, or +0 for n = -127. The
+  // bits of 1.5 2^23 above the field shift out.
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
+  return _mm256_mul_ps(p, scale);
 }
 
 }  // namespace mha::avx2
