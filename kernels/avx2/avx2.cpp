@@ -184,10 +184,20 @@ void pack_v(const float* v, std::int64_t v_seq, std::int64_t keys, std::int64_t 
   }
 }
 
-// qp[d][r] = q[r][d] for r < nr, 0 for nr <= r < 6.   q[r]: [dim]   qp: [dim][6]
+// qp[d][r] = q[r][d] for r < nr, 0 for nr <= r < 6: 8 x 8 transposes of 8 columns of the
+// rows (rows 6 and 7 zero), of which 6 lanes are stored.   q[r]: [dim]   qp: [dim][6]
 void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
-  for (int r = 0; r < kRows; ++r) {
-    for (std::int64_t d = 0; d < dim; ++d) qp[d * kRows + r] = r < nr ? q[r][d] : 0.0f;
+  for (std::int64_t d0 = 0; d0 < dim; d0 += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = i < nr ? load_part(q[i] + d0, dim - d0) : _mm256_setzero_ps();
+    transpose8(r);
+    const std::int64_t nd = std::min<std::int64_t>(8, dim - d0);
+    for (int i = 0; i < nd; ++i) {
+      float* out = qp + (d0 + i) * kRows;
+      _mm_storeu_ps(out, _mm256_castps256_ps128(r[i]));
+      _mm_storel_pi(reinterpret_cast<__m64*>(out + 4), _mm256_extractf128_ps(r[i], 1));
+    }
   }
 }
 
