@@ -497,9 +497,12 @@ void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* 
               if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
               k_ahead.step();
               float* o_rows = acc + t0 * dim16 + c16;
+              // No rescale once the group's maxima have settled (every alpha 1).
+              bool rescale = false;
+              for (int r = 0; r < nr; ++r) rescale |= alpha[t0 + r] != 1.0f;
               for_rows(nr, [&](auto mr) {
-                pv_tile<decltype(mr)::value>(s + t0 * kKeys, shared, panel, alpha + t0, o_rows,
-                                             dim16);
+                pv_tile<decltype(mr)::value>(s + t0 * kKeys, shared, panel,
+                                             rescale ? alpha + t0 : nullptr, o_rows, dim16);
               });
               for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
                 const std::int64_t extra = cols[t0 + r] - shared;
