@@ -201,6 +201,19 @@ void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
   }
 }
 
+// One step of both microkernels, a rank-1 update of the MR x 16 accumulators:
+// acc[r] += a[r * kStride] * b[0 .. 16) for r < MR (a broadcast per row, b two vectors).
+template <int MR, std::int64_t kStride>
+void rank1_update(__m256 (&acc)[MR][2], const float* a, const float* b) {
+  const __m256 b0 = _mm256_loadu_ps(b);
+  const __m256 b1 = _mm256_loadu_ps(b + 8);
+  for (int r = 0; r < MR; ++r) {
+    const __m256 ar = _mm256_broadcast_ss(a + r * kStride);
+    acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+  }
+}
+
 // The S microkernel: s[r][0 .. 16) = c sum_d qp[d][r] kp[d][0 .. 16) for r < MR, with
 // lanes >= limit[r] set to -inf (keys row r does not see); rowmax[r] (8 lanes) takes the
 // lane-wise max, ignoring NaN logits.
@@ -211,13 +224,7 @@ void logits_tile(const float* qp, const float* kp, std::int64_t dim, float c,
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (std::int64_t d = 0; d < dim; ++d) {
-    const __m256 b0 = _mm256_loadu_ps(kp + d * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(kp + d * kPanel + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(qp + d * kRows + r);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
+    rank1_update<MR, 1>(acc, qp + d * kRows, kp + d * kPanel);
   }
   const __m256 cv = _mm256_set1_ps(c);
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -252,13 +259,7 @@ void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* al
     }
   }
   for (std::int64_t j = 0; j < keys; ++j) {
-    const __m256 b0 = _mm256_loadu_ps(vp + j * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(vp + j * kPanel + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(p + r * kKeys + j);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
+    rank1_update<MR, kKeys>(acc, p + j, vp + j * kPanel);
   }
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_ps(o + r * ld_o, acc[r][0]);
