@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -114,10 +115,15 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
   const Schedule s = schedule(p, pl);
   const std::int64_t g = p.q_heads / p.kv_heads;
   const std::int64_t D = p.head_dim;
-  // Partial results: o [row][head][d] and lse [head][row] for every chunk of a split unit.
-  const std::int64_t part_o = pl.row_block * g * D, part_lse = pl.row_block * g;
-  std::vector<float> scratch_o(static_cast<std::size_t>(s.parts * part_o));
-  std::vector<float> scratch_lse(static_cast<std::size_t>(s.parts * part_lse));
+  // Partial results: o [row][head][d] and lse [head][row] for every chunk of a split unit,
+  // sized for the rows a unit has (decode: one) and left uninitialized: each is written
+  // whole by its kernel call before the merge reads it. (Zero-filling row_block rows of
+  // every chunk cost 27 ms per call at H = 32, Hkv = 8, Lk = 32768: the decode itself.)
+  const std::int64_t unit_rows = std::min(pl.row_block, p.q_len);
+  const std::int64_t part_o = unit_rows * g * D, part_lse = unit_rows * g;
+  const std::unique_ptr<float[]> scratch_o(new float[static_cast<std::size_t>(s.parts * part_o)]);
+  const std::unique_ptr<float[]> scratch_lse(
+      new float[static_cast<std::size_t>(s.parts * part_lse)]);
 
   const auto unit_problem = [&](const Unit& u) {
     Problem up = p;
@@ -151,8 +157,8 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
     } else {
       tp.o = {0, g * D, D};
       tp.lse = {0, u.rows};
-      kernel(tp, tq, tk, tv, scratch_o.data() + task.part * part_o,
-             scratch_lse.data() + task.part * part_lse);
+      kernel(tp, tq, tk, tv, scratch_o.get() + task.part * part_o,
+             scratch_lse.get() + task.part * part_lse);
     }
   }
 
@@ -177,8 +183,8 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
     const std::int64_t n = s.n_parts[static_cast<std::size_t>(i)];
     std::vector<const float*> os, ls;
     for (std::int64_t c = 0; c < n; ++c) {
-      os.push_back(scratch_o.data() + (first + c) * part_o);
-      ls.push_back(scratch_lse.data() + (first + c) * part_lse);
+      os.push_back(scratch_o.get() + (first + c) * part_o);
+      ls.push_back(scratch_lse.get() + (first + c) * part_lse);
     }
     Parts parts;
     parts.count = static_cast<int>(n);
