@@ -102,6 +102,8 @@ std::vector<Shape> shapes(Size size, int cores) {
       full ? std::vector<std::int64_t>{512, 2048, 8192, 32768, 131072}
            : std::vector<std::int64_t>{4096, 32768};
   for (std::int64_t lk : caches) add("decode", 32, 8, 1, lk, 128, true);
+  // MHA decode: every query head reads its own KV head.
+  add("decode", 8, 8, 1, 32768, 128, true);
   // Split-KV decoding: one KV head, a cache in L2 and one in memory.
   add("decode", 8, 1, 1, 1024, 128, true);
   add("decode", 8, 1, 1, 131072, 128, true);
@@ -326,7 +328,7 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
     state.counters["GBps"] = gbps;
     const Caches& caches = probe.caches;
     double limit = 0.0;
-    if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(caches.last_level())) {
+    if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(probe.memory_level())) {
       limit = probe.dram_gbps[all];
       state.SetLabel("bw:dram");
     } else if (caches.l2 > 0 && bytes <= static_cast<double>(caches.l2) / 2) {
@@ -438,8 +440,10 @@ int main(int argc, char** argv) {
   for (const Shape& s : all_shapes) {
     const mha::Problem p =
         mha::make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim);
-    need_dram |= s.decode() &&
-                 static_cast<double>(kv_bytes(p)) >= 4.0 * static_cast<double>(caches.last_level());
+    // Whether the L3 is faster than memory is only known once the probe has run: any
+    // working set past 4x the L2 may be DRAM-bound.
+    const std::int64_t l2 = caches.l2 > 0 ? caches.l2 : caches.last_level();
+    need_dram |= s.decode() && static_cast<double>(kv_bytes(p)) >= 4.0 * static_cast<double>(l2);
   }
   std::fprintf(stderr, "mha_bench: probing the machine...\n");
   static const Probe probe = run_probe(need_dram || size == Size::full || probe_only);
@@ -475,6 +479,7 @@ int main(int argc, char** argv) {
   ctx("cache_l1d_bytes", std::to_string(caches.l1d));
   ctx("cache_l2_bytes", std::to_string(caches.l2));
   ctx("cache_l3_bytes", std::to_string(caches.l3));
+  ctx("memory_level_bytes", std::to_string(probe.memory_level()));
   std::string peaks;  // "216.0 / 431.2 avx512, 108.1 / 216.0 avx2"
   for (const FmaPeak& peak : probe.fma) {
     peaks += (peaks.empty() ? "" : ", ") + fixed(peak.gflops[0]) + " / " + fixed(peak.gflops[1]) +
@@ -496,6 +501,9 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 4; ++i) {
       std::printf("probe: %-4s read %.1f / %.1f GB/s\n", level[i], gbps[i][0], gbps[i][1]);
     }
+    std::printf("probe: caches L1d %lld, L2 %lld, L3 %lld bytes; faster than memory up to %lld\n",
+                static_cast<long long>(caches.l1d), static_cast<long long>(caches.l2),
+                static_cast<long long>(caches.l3), static_cast<long long>(probe.memory_level()));
     return 0;
   }
 

@@ -172,6 +172,12 @@ const FmaPeak& Probe::fma_peak(const std::string& isa) const {
   return fma.front();
 }
 
+std::int64_t Probe::memory_level() const {
+  const bool l3_faster = l3_gbps[0] >= 1.25 * dram_gbps[0];
+  if (caches.l3 > 0 && dram_gbps[0] > 0 && !l3_faster && caches.l2 > 0) return caches.l2;
+  return caches.last_level();
+}
+
 Probe run_probe(bool dram) {
   Probe p;
   p.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -33,6 +33,12 @@ struct Probe {
   /// The peak a kernel needing `isa` is measured against: that ISA's when it was measured,
   /// else the widest (scalar kernels, baselines).
   const FmaPeak& fma_peak(const std::string& isa) const;
+
+  /// The last cache level that is faster than memory: the L3 when its one-core read
+  /// bandwidth is at least 1.25x DRAM's, else the L2 (a virtual machine may report an L3
+  /// that reads at DRAM speed), else what the system reports. Working sets of 4x this
+  /// size and more are DRAM-bound.
+  std::int64_t memory_level() const;
 };
 
 /// Measures the FMA peaks (enough independent FMA chains to cover the latency on every FMA
