@@ -26,6 +26,13 @@
 // no scalar exp; per 16 logits it costs 11 vector instructions (max, subtraction, 2^x in
 // 8, sum) against 2 D FMAs of the two products (4% at D = 128, 8% at D = 64).
 //
+// Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
+// microkernels would mostly be padding (one decode row uses one lane in 16), so
+// decode_rows() turns the lanes along head_dim instead: each K and V element is loaded once
+// as part of a whole vector, 16 keys' dot products of a row are finished together
+// (sum_lanes16), and P V adds weight x V row into 8 zmm of the row's accumulator. Decode
+// streams K and V from memory, so keys come in tiles of 32 with the next one prefetched.
+//
 // Sizes. Bc = 128 keys. R is up to 256 rows: Br = 256 / g (at most q_len, fewer when
 // D > 128, so that Q^T and O^T stay at 128 KiB each); the S^T tile is Bc x R (128 KiB), all
 // in L2. The row stride of the three tiles is R padded to whole vectors plus one cache line,
@@ -310,11 +317,199 @@ void online_softmax(float* st, std::int64_t ld, std::int64_t keys, __m512i cols,
   _mm512_store_ps(alpha, a);
 }
 
+// The first n lanes (n >= 16: all of them; n <= 0: none).
+__mmask16 first_lanes(std::int64_t n) {
+  if (n <= 0) return 0;
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : static_cast<__mmask16>((1u << static_cast<unsigned>(n)) - 1u);
+}
+
+// o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
+// blocked's finish_row): zeros and -inf when it sees none, not 0 / 0; a division, one
+// rounding, as the tolerance assumes; l == 0 (every logit -inf) gives NaN.
+void finish_row(const float* acc, std::int64_t acc_stride, float m, float l, std::int64_t visible,
+                std::int64_t head_dim, float* o, float* lse) {
+  if (visible == 0) {
+    for (std::int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
+    if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
+  for (std::int64_t d = 0; d < head_dim; ++d) o[d] = acc[d * acc_stride] / l;
+  if (lse != nullptr) {
+    *lse = l == 0.0f ? std::numeric_limits<float>::quiet_NaN()
+                     : static_cast<float>(static_cast<double>(subtrahend(m)) * kLn2 +
+                                          std::log(static_cast<double>(l)));
+  }
+}
+
+// lane i of the result = the sum of the 16 lanes of a[i]: sixteen dot products finished at
+// once (45 instructions instead of 16 horizontal sums).
+__m512 sum_lanes16(const __m512 (&a)[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: a0+a2, b0+b2, a1+a3, b1+b3
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block L: the block-L sums of a[4i .. 4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  }
+  const __m512 w01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 w23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// Decode: fewer than 16 query rows (g x q_len) per KV head, too few to fill the lanes of the
+// transposed microkernels (one decode row would use 1 lane in 16). Here the lanes run along
+// head_dim instead and every K and V element is loaded once as part of a whole vector: per
+// row, 16 keys' dot products accumulate in 16 zmm and are finished together by
+// sum_lanes16, and P V adds weight x V row into the row's accumulator, 8 zmm at a time.
+// Keys come in tiles of kDecodeKeys (32 KiB of K and V at D = 128) while the next tile is
+// prefetched; a row reads only the keys it sees, so masked V rows are never touched.
+constexpr std::int64_t kDecodeKeys = 32;
+
+void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+                 float* lse) {
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  const std::int64_t dim = p.head_dim;
+  const std::int64_t rows = group * p.q_len;  // < 16
+  const std::int64_t d16 = round_up(dim, 16);
+  std::vector<float> acc_rows(static_cast<std::size_t>(rows * d16));
+  std::vector<float> weights(static_cast<std::size_t>(kDecodeKeys));
+  const __m512 logit_scale =
+      _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
+  const std::int64_t steps = rows * (kDecodeKeys / 16 * d16 / 16 + kDecodeKeys);
+
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
+      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
+      // Row t: query head kv_head g + t / q_len, query row t % q_len.
+      const auto q_row = [&](std::int64_t t) {
+        return q + b * p.q.batch + (t % p.q_len) * p.q.seq +
+               (kv_head * group + t / p.q_len) * p.q.head;
+      };
+      float ms[16], ls[16];
+      std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
+      const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
+      Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(kDecodeKeys, block_keys), dim, 1).all();
+
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kDecodeKeys) {
+        const std::int64_t tile_keys = std::min(kDecodeKeys, block_keys - c0);
+        Prefetch next(k_head + (c0 + kDecodeKeys) * p.k.seq, p.k.seq,
+                      v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
+                      std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
+                      steps);
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols =
+              std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, tile_keys);
+          if (cols == 0) continue;
+          const float* qr = q_row(t);
+          // Base-2 logits of the row's `cols` keys, 16 at a time.
+          __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+            __m512 a[16];
+            for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+            for (std::int64_t d = 0; d < dim; d += 16) {
+              next.step();
+              const __mmask16 mask = first_lanes(dim - d);
+              const __m512 qv = _mm512_maskz_loadu_ps(mask, qr + d);
+              const float* key = k_head + (c0 + j0) * p.k.seq + d;
+#pragma GCC unroll 16
+              for (int i = 0; i < 16; ++i) {
+                if (i < nk)
+                  a[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(mask, key + i * p.k.seq), a[i]);
+              }
+            }
+            const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
+            _mm512_storeu_ps(weights.data() + j0, s);
+            // VMAXPS returns its second source when either is NaN: NaN logits stay out.
+            mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
+          }
+          float tile_max = -std::numeric_limits<float>::infinity();
+          {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, mv);
+            for (float x : lanes) tile_max = x > tile_max ? x : tile_max;
+          }
+          float alpha = 1.0f;
+          if (tile_max > ms[t]) {
+            alpha = std::exp2(ms[t] - tile_max);  // 0 when the old max is -inf
+            ms[t] = tile_max;
+          }
+          const __m512 base = _mm512_set1_ps(subtrahend(ms[t]));
+          __m512 sum = _mm512_setzero_ps();
+          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+            const __m512 w = _mm512_maskz_mov_ps(
+                first_lanes(nk), mha::avx512::exp2_nonpositive(
+                                     _mm512_sub_ps(_mm512_loadu_ps(weights.data() + j0), base)));
+            _mm512_storeu_ps(weights.data() + j0, w);
+            sum = _mm512_add_ps(sum, w);
+          }
+          {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, sum);
+            float total = 0.0f;
+            for (float x : lanes) total += x;
+            ls[t] = ls[t] * alpha + total;
+          }
+          // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
+          float* acc = acc_rows.data() + t * d16;
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
+            const int nv = static_cast<int>(std::min<std::int64_t>(8, (dim - d0 + 15) / 16));
+            __m512 ov[8];
+            __mmask16 mask[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) {
+              const std::int64_t d = d0 + 16 * c;
+              mask[c] = first_lanes(dim - d);
+              ov[c] = c < nv ? _mm512_mul_ps(_mm512_loadu_ps(acc + d), av) : _mm512_setzero_ps();
+            }
+            for (std::int64_t j = 0; j < cols; ++j) {
+              next.step();
+              const __m512 pj = _mm512_set1_ps(weights[static_cast<std::size_t>(j)]);
+              const float* row = v_head + (c0 + j) * p.v.seq + d0;
+#pragma GCC unroll 8
+              for (int c = 0; c < 8; ++c) {
+                if (c < nv)
+                  ov[c] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(mask[c], row + 16 * c), ov[c]);
+              }
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) {
+              if (c < nv) _mm512_storeu_ps(acc + d0 + 16 * c, ov[c]);
+            }
+          }
+        }
+      }
+
+      for (std::int64_t t = 0; t < rows; ++t) {
+        const std::int64_t row = t % p.q_len, head = kv_head * group + t / p.q_len;
+        float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
+        float* lse_row = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
+        finish_row(acc_rows.data() + t * d16, 1, ms[t], ls[t], mha::visible_keys(p, row), dim,
+                   o_row, lse_row);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
                               float* o, float* lse) {
   const std::int64_t group = p.q_heads / p.kv_heads;
+  if (group * p.q_len < 16) {
+    decode_rows(p, q, k, v, o, lse);
+    return;
+  }
   const std::int64_t dim = p.head_dim;
   const Tiling tiling = choose_tiling(p);
   const std::int64_t bc = tiling.keys;
@@ -448,23 +643,9 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
 
         for (std::int64_t t = 0; t < rows; ++t) {
           const std::int64_t row = r0 + t % br, head = head0 + t / br;
-          float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
-          if (mha::visible_keys(p, row) == 0) {  // the contract: zeros and -inf, not 0 / 0
-            for (std::int64_t d = 0; d < dim; ++d) o_row[d] = 0.0f;
-            if (lse != nullptr)
-              lse[b * p.lse.batch + head * p.lse.head + row] =
-                  -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          // A division: one rounding, as the tolerance assumes.
-          for (std::int64_t d = 0; d < dim; ++d) o_row[d] = ot[d * ld + t] / l[t];
-          if (lse != nullptr) {
-            // l == 0: every logit was -inf (see blocked's finish_row).
-            lse[b * p.lse.batch + head * p.lse.head + row] =
-                l[t] == 0.0f ? std::numeric_limits<float>::quiet_NaN()
-                             : static_cast<float>(static_cast<double>(subtrahend(m[t])) * kLn2 +
-                                                  std::log(static_cast<double>(l[t])));
-          }
+          finish_row(ot + t, ld, m[t], l[t], mha::visible_keys(p, row), dim,
+                     o + b * p.o.batch + row * p.o.seq + head * p.o.head,
+                     lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
         }
       }
     }
