@@ -166,38 +166,40 @@ void with_count(std::int64_t n, F&& f) {
 // holding elements of those rows are touched; prefetches never fault.
 class Prefetch {
  public:
-  // Rows k[j], v[j] for j < keys (head_dim floats each), spread over `steps` step()s.
+  // Rows k[j], v[j] for j < keys (head_dim floats each), spread over `steps` step()s: a
+  // line of each every few steps, or a few lines every step.
   Prefetch(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
            std::int64_t keys, std::int64_t head_dim, std::int64_t steps)
-      : k_(k),
-        v_(v),
-        k_seq_(k_seq),
-        v_seq_(v_seq),
-        keys_(keys),
-        row_lines_((head_dim + 15) / 16),
-        every_(std::max<std::int64_t>(1, steps / std::max<std::int64_t>(1, keys * row_lines_))) {}
+      : k_(k), v_(v), k_seq_(k_seq), v_seq_(v_seq), keys_(keys), row_lines_((head_dim + 15) / 16) {
+    const std::int64_t lines = std::max<std::int64_t>(1, keys * row_lines_);
+    steps = std::max<std::int64_t>(1, steps);
+    every_ = std::max<std::int64_t>(1, steps / lines);
+    per_step_ = (lines + steps - 1) / steps;
+  }
 
   void step() {
     if (key_ == keys_ || ++tick_ < every_) return;
     tick_ = 0;
-    _mm_prefetch(reinterpret_cast<const char*>(k_ + line_ * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(v_ + line_ * 16), _MM_HINT_T0);
-    if (++line_ == row_lines_) {
-      line_ = 0;
-      ++key_;
-      k_ += k_seq_;
-      v_ += v_seq_;
+    for (std::int64_t n = 0; n < per_step_ && key_ < keys_; ++n) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_ + line_ * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v_ + line_ * 16), _MM_HINT_T0);
+      if (++line_ == row_lines_) {
+        line_ = 0;
+        ++key_;
+        k_ += k_seq_;
+        v_ += v_seq_;
+      }
     }
   }
   void all() {
-    every_ = 1;
     while (key_ < keys_) step();
   }
 
  private:
   const float* k_;
   const float* v_;
-  std::int64_t k_seq_, v_seq_, keys_, row_lines_, every_, key_ = 0, line_ = 0, tick_ = 0;
+  std::int64_t k_seq_, v_seq_, keys_, row_lines_, every_ = 1, per_step_ = 1, key_ = 0, line_ = 0,
+                                                  tick_ = 0;
 };
 
 // S^T for MK keys and 16 NV query rows: st[i][0 .. 16 NV) = c sum_d k_i[d] qt[d][0 .. 16 NV),
@@ -361,6 +363,54 @@ __m512 sum_lanes16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
+// a[i] += q . k_i over NV vectors (16 NV floats, the last vector's lanes limited to
+// `last`) for the first nk <= 16 of the 16 key rows k_i = k + i k_seq: decode's S step.
+template <int NV>
+void dot_16_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t nk,
+                 __mmask16 last, __m512 (&a)[16]) {
+  __m512 qv[NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    qv[c] = _mm512_maskz_loadu_ps(c + 1 == NV ? last : static_cast<__mmask16>(0xFFFF), q + 16 * c);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if (i >= nk) break;
+    const float* key = k + i * k_seq;
+    __m512 dot = a[i];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      const __m512 kv =
+          c + 1 == NV ? _mm512_maskz_loadu_ps(last, key + 16 * c) : _mm512_loadu_ps(key + 16 * c);
+      dot = _mm512_fmadd_ps(qv[c], kv, dot);
+    }
+    a[i] = dot;
+  }
+}
+
+// acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited
+// to `last`) of the rows v_j = v + j v_seq: decode's P V step for one row.
+template <int NV>
+void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
+                       __mmask16 last, float* acc, __m512 alpha, Prefetch& prefetch) {
+  __m512 o[NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), alpha);
+  for (std::int64_t j = 0; j < cols; ++j) {
+    prefetch.step();
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    const float* row = v + j * v_seq;
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      const __m512 x =
+          c + 1 == NV ? _mm512_maskz_loadu_ps(last, row + 16 * c) : _mm512_loadu_ps(row + 16 * c);
+      o[c] = _mm512_fmadd_ps(wj, x, o[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
+}
+
 // Decode: fewer than 16 query rows (g x q_len) per KV head, too few to fill the lanes of the
 // transposed microkernels (one decode row would use 1 lane in 16). Here the lanes run along
 // head_dim instead and every K and V element is loaded once as part of a whole vector: per
@@ -380,7 +430,8 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   std::vector<float> weights(static_cast<std::size_t>(kDecodeKeys));
   const __m512 logit_scale =
       _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
-  const std::int64_t steps = rows * (kDecodeKeys / 16 * d16 / 16 + kDecodeKeys);
+  const std::int64_t steps = rows * (kDecodeKeys / 16 * ((dim + 127) / 128) + kDecodeKeys);
+  const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
@@ -404,27 +455,28 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
                       v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
                       std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
                       steps);
+        const float* k_tile = k_head + c0 * k_seq;
+        const float* v_tile = v_head + c0 * v_seq;
         for (std::int64_t t = 0; t < rows; ++t) {
           const std::int64_t cols =
               std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, tile_keys);
           if (cols == 0) continue;
           const float* qr = q_row(t);
-          // Base-2 logits of the row's `cols` keys, 16 at a time.
+          // Base-2 logits of the row's `cols` keys, 16 at a time: key i's dot product in
+          // a[i], over slices of 128 columns of head_dim whose q part stays in registers.
           __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
             const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+            const float* keys = k_tile + j0 * k_seq;
             __m512 a[16];
             for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-            for (std::int64_t d = 0; d < dim; d += 16) {
+            for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
+              with_count((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
+                dot_16_keys<decltype(vectors)::value>(
+                    qr + d0, keys + d0, k_seq, nk,
+                    first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
+              });
               next.step();
-              const __mmask16 mask = first_lanes(dim - d);
-              const __m512 qv = _mm512_maskz_loadu_ps(mask, qr + d);
-              const float* key = k_head + (c0 + j0) * p.k.seq + d;
-#pragma GCC unroll 16
-              for (int i = 0; i < 16; ++i) {
-                if (i < nk)
-                  a[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(mask, key + i * p.k.seq), a[i]);
-              }
             }
             const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
             _mm512_storeu_ps(weights.data() + j0, s);
@@ -463,29 +515,11 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
           float* acc = acc_rows.data() + t * d16;
           const __m512 av = _mm512_set1_ps(alpha);
           for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
-            const int nv = static_cast<int>(std::min<std::int64_t>(8, (dim - d0 + 15) / 16));
-            __m512 ov[8];
-            __mmask16 mask[8];
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; ++c) {
-              const std::int64_t d = d0 + 16 * c;
-              mask[c] = first_lanes(dim - d);
-              ov[c] = c < nv ? _mm512_mul_ps(_mm512_loadu_ps(acc + d), av) : _mm512_setzero_ps();
-            }
-            for (std::int64_t j = 0; j < cols; ++j) {
-              next.step();
-              const __m512 pj = _mm512_set1_ps(weights[static_cast<std::size_t>(j)]);
-              const float* row = v_head + (c0 + j) * p.v.seq + d0;
-#pragma GCC unroll 8
-              for (int c = 0; c < 8; ++c) {
-                if (c < nv)
-                  ov[c] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(mask[c], row + 16 * c), ov[c]);
-              }
-            }
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; ++c) {
-              if (c < nv) _mm512_storeu_ps(acc + d0 + 16 * c, ov[c]);
-            }
+            with_count((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
+              add_weighted_rows<decltype(vectors)::value>(
+                  weights.data(), cols, v_tile + d0, v_seq,
+                  first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
+            });
           }
         }
       }
