@@ -202,6 +202,31 @@ class Prefetch {
                                                   tick_ = 0;
 };
 
+// The first n lanes (n >= 16: all of them; n <= 0: none).
+__mmask16 first_lanes(std::int64_t n) {
+  if (n <= 0) return 0;
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : static_cast<__mmask16>((1u << static_cast<unsigned>(n)) - 1u);
+}
+
+// rows [0, keys) of a K or V tile (head_dim floats each, row stride `stride`) into `out`
+// with row stride ld: the microkernels' 12 broadcast rows then sit ld apart whatever the
+// tensor's layout (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128: 12 such rows
+// share one L1 set and evict each other).
+void copy_rows(const float* in, std::int64_t stride, std::int64_t keys, std::int64_t head_dim,
+               float* out, std::int64_t ld) {
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float* row = in + j * stride;
+    float* to = out + j * ld;
+    std::int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) _mm512_storeu_ps(to + d, _mm512_loadu_ps(row + d));
+    if (d < head_dim) {
+      const __mmask16 mask = first_lanes(head_dim - d);
+      _mm512_mask_storeu_ps(to + d, mask, _mm512_maskz_loadu_ps(mask, row + d));
+    }
+  }
+}
+
 // S^T for MK keys and 16 NV query rows: st[i][0 .. 16 NV) = c sum_d k_i[d] qt[d][0 .. 16 NV),
 // c = scale log2(e). The microkernel of the S product: per d, NV loads of Q^T and MK
 // broadcasts, one from each key row, feed MK x NV independent FMAs.
@@ -317,13 +342,6 @@ void online_softmax(float* st, std::int64_t ld, std::int64_t keys, __m512i cols,
   _mm512_store_ps(m, m_new);
   _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), a, sum));
   _mm512_store_ps(alpha, a);
-}
-
-// The first n lanes (n >= 16: all of them; n <= 0: none).
-__mmask16 first_lanes(std::int64_t n) {
-  if (n <= 0) return 0;
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
-                 : static_cast<__mmask16>((1u << static_cast<unsigned>(n)) - 1u);
 }
 
 // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
@@ -556,7 +574,10 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
   // One allocation, left uninitialized (every element is written before it is read), cut
   // into pieces that start on 64-byte boundaries: the microkernels' vector loads and stores
   // are aligned.
-  const std::int64_t sizes[] = {dim * ld, bc * ld, dim * ld, 3 * ld};
+  // Copied K and V tiles: rows of head_dim rounded up to 16, plus 16 (an odd number of
+  // cache lines apart, so that rows spread over the L1 sets).
+  const std::int64_t ldkv = round_up(dim, 16) + 16;
+  const std::int64_t sizes[] = {dim * ld, bc * ld, dim * ld, 3 * ld, bc * ldkv, bc * ldkv};
   std::int64_t total = 16;
   for (const std::int64_t n : sizes) total += n;
   const std::unique_ptr<float[]> scratch(new float[static_cast<std::size_t>(total)]);
@@ -568,6 +589,8 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
   float* const m = ot + sizes[2];
   float* const l = m + ld;
   float* const alpha = l + ld;
+  float* const kc = alpha + ld;                                     // [bc][ldkv]: the K tile
+  float* const vc = kc + sizes[4];                                  // [bc][ldkv]: the V tile
   std::vector<std::int32_t> visible(static_cast<std::size_t>(ld));  // per row, this tile
   std::int32_t* const cols = visible.data();
   // scale log2(e) rounded once: the logits' base change (tolerance.h counts it).
@@ -601,10 +624,12 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
         Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(bc, block_keys), dim, 1).all();
         for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
           const std::int64_t tile_keys = std::min(bc, block_keys - c0);
-          const float* k_tile = k_head + c0 * p.k.seq;
-          const float* v_tile = v_head + c0 * p.v.seq;
-          Prefetch next(k_tile + bc * p.k.seq, p.k.seq, v_tile + bc * p.v.seq, p.v.seq,
-                        std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
+          Prefetch next(k_head + (c0 + bc) * p.k.seq, p.k.seq, v_head + (c0 + bc) * p.v.seq,
+                        p.v.seq, std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
+          copy_rows(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, kc, ldkv);
+          copy_rows(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim, vc, ldkv);
+          const float* const k_tile = kc;
+          const float* const v_tile = vc;
           for (std::int64_t t = 0; t < padded; ++t) {
             const std::int64_t n = t < rows ? mha::visible_keys(p, r0 + t % br) - c0 : 0;
             cols[t] = static_cast<std::int32_t>(std::clamp(n, std::int64_t{0}, tile_keys));
@@ -628,11 +653,11 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
               with_count(std::min<std::int64_t>(kMr, most - j), [&](auto keys) {
                 constexpr int kKeys = decltype(keys)::value;
                 if (strip == 32) {
-                  logits_tile<kKeys, 2>(qt + s0, ld, k_tile + j * p.k.seq, p.k.seq, dim,
-                                        logit_scale, st + j * ld + s0, pf);
+                  logits_tile<kKeys, 2>(qt + s0, ld, k_tile + j * ldkv, ldkv, dim, logit_scale,
+                                        st + j * ld + s0, pf);
                 } else {
-                  logits_tile<kKeys, 1>(qt + s0, ld, k_tile + j * p.k.seq, p.k.seq, dim,
-                                        logit_scale, st + j * ld + s0, pf);
+                  logits_tile<kKeys, 1>(qt + s0, ld, k_tile + j * ldkv, ldkv, dim, logit_scale,
+                                        st + j * ld + s0, pf);
                 }
               });
             }
@@ -660,14 +685,14 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
                 constexpr int kCols = decltype(columns)::value;
                 float* o_cols = ot + d * ld + s0;
                 if (strip == 32) {
-                  pv_tile<kCols, 2, false>(st + s0, ld, 0, shared, v_tile + d, p.v.seq, o_cols,
+                  pv_tile<kCols, 2, false>(st + s0, ld, 0, shared, v_tile + d, ldkv, o_cols,
                                            alpha + s0, strip_cols, pf);
-                  pv_tile<kCols, 2, true>(st + s0, ld, shared, most, v_tile + d, p.v.seq, o_cols,
+                  pv_tile<kCols, 2, true>(st + s0, ld, shared, most, v_tile + d, ldkv, o_cols,
                                           alpha + s0, strip_cols, pf);
                 } else {
-                  pv_tile<kCols, 1, false>(st + s0, ld, 0, shared, v_tile + d, p.v.seq, o_cols,
+                  pv_tile<kCols, 1, false>(st + s0, ld, 0, shared, v_tile + d, ldkv, o_cols,
                                            alpha + s0, strip_cols, pf);
-                  pv_tile<kCols, 1, true>(st + s0, ld, shared, most, v_tile + d, p.v.seq, o_cols,
+                  pv_tile<kCols, 1, true>(st + s0, ld, shared, most, v_tile + d, ldkv, o_cols,
                                           alpha + s0, strip_cols, pf);
                 }
               });
