@@ -9,15 +9,18 @@
 //   for each (batch, KV head, block of R = g x Br query rows):  all g heads share each tile
 //     pack the block's Q transposed, Q^T[d][R], once
 //     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped):
+//       copy the tile's K and V rows to buffers with a padded row stride
 //       for each strip of 32 rows (2 zmm):
 //         S^T = scale log2(e) K Q^T    microkernel: 12 keys x 32 rows, K broadcast
 //         online softmax in base 2, 16 rows per vector: running max m, sum l; P^T = 2^(S^T - m)
 //         O^T = alpha O^T + V^T P^T    microkernel: 12 columns x 32 rows, V broadcast
 //     o = O / l, lse = (m + log2 l) ln 2
 //
-// Why transposed. The broadcast operands of both products are read straight from the
-// tensors (12 key rows of K, one row of V at a time), so K and V are never packed or
-// transposed: the only packing is Q^T, once per block for all of kv_len. The streamed
+// Why transposed. The broadcast operands of both products are rows of K and V as they
+// are (12 key rows of K, one row of V at a time), so K and V are never transposed: each
+// tile's rows are only copied, with vector loads and stores, to a row stride of an odd
+// number of cache lines (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128, and 12
+// of them would share one L1 set). The only transposition is Q^T, once per block. The streamed
 // operand (a 32-row strip of Q^T or of P^T, 16 KiB at D = Bc = 128) stays in L1 while
 // the microkernel walks 12 keys or 12 columns at a time. Per step 2 zmm loads and 12
 // broadcasts feed 24 independent FMAs: 12 cycles on 2 FMA ports, within 2 loads per cycle
@@ -48,8 +51,8 @@
 // ISA: AVX-512F + DQ (VREDUCEPS in the exp) + FMA; the file is compiled with -mavx512f
 // -mavx512vl -mavx512dq -mavx512bw -mfma and only called when the CPU has them.
 //
-// Tails: any head_dim, key count and row count. Tensors are read by scalar broadcasts and
-// loads of their own elements only; rows past R up to a whole vector are zero padding of
+// Tails: any head_dim, key count and row count. Tensors are read by masked vector loads
+// and scalar loads of their own elements only; rows past R up to a whole vector are zero padding of
 // the scratch tiles, computed and never stored. Any 12-key or 12-column remainder uses
 // the same microkernels instantiated for fewer.
 //
@@ -58,9 +61,10 @@
 // only those some row of the block sees); writes only o's and lse's elements. Reads
 // nothing past the end of any tensor.
 //
-// Scratch, allocated once per call, in floats (ld = R rounded up to 16, plus 16):
-// D x ld (Q^T) + Bc x ld (S^T) + D x ld (O^T) + 3 ld, and ld int32 counts: about 400 KiB
-// at D = 128, g = 4.
+// Scratch, allocated once per call, in floats (ld = R rounded up to 16, plus 16; ldkv = D
+// rounded up to 16, plus 16): D x ld (Q^T) + Bc x ld (S^T) + D x ld (O^T) + 3 ld + 2 Bc x
+// ldkv (the K and V copies), and ld int32 counts: about 550 KiB at D = 128, g = 4. Decode
+// needs g x q_len x D floats and 32 more.
 //
 // Depends on mha/attention.h and avx512_exp.h (this folder) only.
 // avx512_exp.h first: it includes immintrin.h (see there why).
