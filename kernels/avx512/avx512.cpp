@@ -507,15 +507,18 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
             // VMAXPS returns its second source when either is NaN: NaN logits stay out.
             mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
           }
-          float tile_max = -std::numeric_limits<float>::infinity();
-          {
-            float lanes[16];
-            _mm512_storeu_ps(lanes, mv);
-            for (float x : lanes) tile_max = x > tile_max ? x : tile_max;
-          }
+          // The max over the 16 lanes, in every lane; alpha by the vector 2^x (its error
+          // cancels: O and l get the same factor).
+          mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
+          mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
+          mv = _mm512_max_ps(mv, _mm512_permute_ps(mv, _MM_SHUFFLE(1, 0, 3, 2)));
+          mv = _mm512_max_ps(mv, _mm512_permute_ps(mv, _MM_SHUFFLE(2, 3, 0, 1)));
+          const float tile_max = _mm512_cvtss_f32(mv);  // no lane of mv is NaN
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
-            alpha = std::exp2(ms[t] - tile_max);  // 0 when the old max is -inf
+            // 0 when the old max is -inf.
+            alpha =
+                _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
             ms[t] = tile_max;
           }
           const __m512 base = _mm512_set1_ps(subtrahend(ms[t]));
@@ -528,13 +531,11 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
             _mm512_storeu_ps(weights.data() + j0, w);
             sum = _mm512_add_ps(sum, w);
           }
-          {
-            float lanes[16];
-            _mm512_storeu_ps(lanes, sum);
-            float total = 0.0f;
-            for (float x : lanes) total += x;
-            ls[t] = ls[t] * alpha + total;
-          }
+          sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
+          sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
+          sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+          sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(2, 3, 0, 1)));
+          ls[t] = ls[t] * alpha + _mm512_cvtss_f32(sum);
           // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
           float* acc = acc_rows.data() + t * d16;
           const __m512 av = _mm512_set1_ps(alpha);
