@@ -47,7 +47,7 @@ float scalar_read(const float* p, std::int64_t n, std::int64_t passes) {
 
 }  // namespace
 
-ProbeKernels probe_kernels_scalar() { return {"scalar", &scalar_fma, &scalar_read}; }
+ProbeKernels probe_kernels_scalar() { return {"scalar", &scalar_fma, &scalar_read, nullptr}; }
 
 namespace {
 
@@ -121,7 +121,8 @@ double best_rate(int threads, int repeats, Work work) {
 // Read bandwidth in GB/s for `bytes_per_thread` per thread, each thread its own buffer,
 // with the number of passes chosen so that a run reads about `target` bytes per thread.
 double read_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thread,
-                 std::int64_t target) {
+                 std::int64_t target, bool ahead = false) {
+  const auto read = ahead && k.read_ahead != nullptr ? k.read_ahead : k.read;
   const std::int64_t floats = std::max<std::int64_t>(256, bytes_per_thread / 4 / 256 * 256);
   std::vector<Buffer> buffers;
   for (int t = 0; t < threads; ++t) buffers.push_back(make_buffer(floats));
@@ -129,7 +130,7 @@ double read_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thre
   std::vector<float> sink(static_cast<std::size_t>(threads));
   const double rate = best_rate(threads, 5, [&](int t) {
     sink[static_cast<std::size_t>(t)] =
-        k.read(buffers[static_cast<std::size_t>(t)].get(), floats, passes);
+        read(buffers[static_cast<std::size_t>(t)].get(), floats, passes);
     return static_cast<double>(floats) * 4.0 * static_cast<double>(passes);
   });
   volatile float keep = sink[0];
@@ -197,11 +198,18 @@ Probe run_probe(bool dram) {
     const std::int64_t l2 = c.l2 > 0 ? c.l2 / 2 : 512 << 10;
     p.l1_gbps[all] = read_gbps(k, threads, l1, 1 << 30);
     p.l2_gbps[all] = read_gbps(k, threads, l2, 1 << 30);
-    if (c.l3 > 0) p.l3_gbps[all] = read_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
+    // Beyond L2, the better of plain reads and reads with prefetch (see ProbeKernels).
+    if (c.l3 > 0) {
+      const std::int64_t bytes = c.l3 / 2 / threads, target = std::int64_t{1} << 30;
+      p.l3_gbps[all] = std::max(read_gbps(k, threads, bytes, target),
+                                read_gbps(k, threads, bytes, target, true));
+    }
     if (dram) {
       // 4x the last-level cache, shared among the threads; at least 256 MiB.
       const std::int64_t total = std::max<std::int64_t>(4 * c.last_level(), 256 << 20);
-      p.dram_gbps[all] = read_gbps(k, threads, total / threads, total / threads * 2);
+      const std::int64_t bytes = total / threads;
+      p.dram_gbps[all] = std::max(read_gbps(k, threads, bytes, bytes * 2),
+                                  read_gbps(k, threads, bytes, bytes * 2, true));
     }
   }
   return p;

@@ -43,7 +43,8 @@ struct Probe {
 
 /// Measures the FMA peaks (enough independent FMA chains to cover the latency on every FMA
 /// port, best of several repeats) and the read bandwidth of buffers sized for L1, L2, L3 and
-/// DRAM (4x the last-level cache), on one core and on all cores. `dram` false skips the
+/// DRAM (4x the last-level cache), on one core and on all cores; beyond L2 the better of
+/// plain reads and reads that prefetch ahead, as streaming kernels do. `dram` false skips the
 /// DRAM buffer (several GiB on machines with a large L3) when no benchmark needs it.
 Probe run_probe(bool dram);
 

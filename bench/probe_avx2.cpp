@@ -28,11 +28,16 @@ double fma(std::int64_t iters) {
   return static_cast<double>(iters) * 12 * 8 * 2;
 }
 
-float read(const float* p, std::int64_t n, std::int64_t passes) {
+template <bool kAhead>
+float read_loop(const float* p, std::int64_t n, std::int64_t passes) {
   __m256 s[8];
   for (auto& v : s) v = _mm256_setzero_ps();
   for (std::int64_t r = 0; r < passes; ++r) {
     for (std::int64_t i = 0; i < n; i += 64) {
+      if (kAhead && i + 1024 + 64 < n) {  // two lines 4 KiB ahead per 512 bytes
+        __builtin_prefetch(p + i + 1024);
+        __builtin_prefetch(p + i + 1024 + 64);
+      }
       for (int k = 0; k < 8; ++k) s[k] = _mm256_add_ps(s[k], _mm256_load_ps(p + i + 8 * k));
     }
   }
@@ -40,8 +45,15 @@ float read(const float* p, std::int64_t n, std::int64_t passes) {
   return hsum(s[0]);
 }
 
+float read(const float* p, std::int64_t n, std::int64_t passes) {
+  return read_loop<false>(p, n, passes);
+}
+float read_ahead(const float* p, std::int64_t n, std::int64_t passes) {
+  return read_loop<true>(p, n, passes);
+}
+
 }  // namespace
 
-ProbeKernels probe_kernels_avx2() { return {"avx2", &fma, &read}; }
+ProbeKernels probe_kernels_avx2() { return {"avx2", &fma, &read, &read_ahead}; }
 
 }  // namespace mha::bench

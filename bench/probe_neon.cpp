@@ -21,11 +21,16 @@ double fma(std::int64_t iters) {
   return static_cast<double>(iters) * 16 * 4 * 2;
 }
 
-float read(const float* p, std::int64_t n, std::int64_t passes) {
+template <bool kAhead>
+float read_loop(const float* p, std::int64_t n, std::int64_t passes) {
   float32x4_t s[8];
   for (auto& v : s) v = vdupq_n_f32(0.0f);
   for (std::int64_t r = 0; r < passes; ++r) {
     for (std::int64_t i = 0; i < n; i += 32) {
+      if (kAhead && i + 1024 + 64 < n) {  // two lines 4 KiB ahead per 512 bytes
+        __builtin_prefetch(p + i + 1024);
+        __builtin_prefetch(p + i + 1024 + 64);
+      }
       for (int k = 0; k < 8; ++k) s[k] = vaddq_f32(s[k], vld1q_f32(p + i + 4 * k));
     }
   }
@@ -33,8 +38,15 @@ float read(const float* p, std::int64_t n, std::int64_t passes) {
   return vaddvq_f32(s[0]);
 }
 
+float read(const float* p, std::int64_t n, std::int64_t passes) {
+  return read_loop<false>(p, n, passes);
+}
+float read_ahead(const float* p, std::int64_t n, std::int64_t passes) {
+  return read_loop<true>(p, n, passes);
+}
+
 }  // namespace
 
-ProbeKernels probe_kernels_neon() { return {"neon", &fma, &read}; }
+ProbeKernels probe_kernels_neon() { return {"neon", &fma, &read, &read_ahead}; }
 
 }  // namespace mha::bench
