@@ -31,8 +31,8 @@
 //
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so
-// decode_rows() turns the lanes along head_dim instead: each K and V element is loaded once
-// as part of a whole vector, 16 keys' dot products of a row are finished together
+// decode_rows() turns the lanes along head_dim instead: K and V are read in whole vectors,
+// 16 keys' dot products of a row are finished together
 // (sum_lanes16), and P V adds weight x V row into 8 zmm of the row's accumulator. Decode
 // streams K and V from memory, so keys come in tiles of 32 with the next one prefetched.
 //
@@ -437,8 +437,9 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
 
 // Decode: fewer than 16 query rows (g x q_len) per KV head, too few to fill the lanes of the
 // transposed microkernels (one decode row would use 1 lane in 16). Here the lanes run along
-// head_dim instead and every K and V element is loaded once as part of a whole vector: per
-// row, 16 keys' dot products accumulate in 16 zmm and are finished together by
+// head_dim instead and K and V are read in whole vectors (from memory for the first row of
+// a tile, from L1 for the others): per row, 16 keys' dot products accumulate in 16 zmm and
+// are finished together by
 // sum_lanes16, and P V adds weight x V row into the row's accumulator, 8 zmm at a time.
 // Keys come in tiles of kDecodeKeys (32 KiB of K and V at D = 128) while the next tile is
 // prefetched; a row reads only the keys it sees, so masked V rows are never touched.
