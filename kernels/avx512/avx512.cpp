@@ -32,8 +32,8 @@
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so
 // decode_rows() turns the lanes along head_dim instead: K and V are read in whole vectors,
-// 16 keys' dot products of a row are finished together
-// (sum_lanes16), and P V adds weight x V row into 8 zmm of the row's accumulator. Decode
+// 16 keys' dot products of a row are finished together (sum_lanes16), and P V adds
+// weight x V row into 8 zmm of the row's accumulator. Decode
 // streams K and V from memory, so keys come in tiles of 32 with the next one prefetched.
 //
 // Sizes. Bc = 128 keys. R is up to 256 rows: Br = 256 / g (at most q_len, fewer when
