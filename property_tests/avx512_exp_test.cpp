@@ -11,27 +11,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 
 #include "mha/registry.h"
+#include "ulp.h"
 
 namespace {
 
 constexpr double kDeclaredUlp = 1.5;  // registry.inc: MHA_KERNEL(avx512, ..., 1.5)
 
-double ulp_error(float got, double exact) {
-  if (exact < std::ldexp(1.0, -126)) return std::fabs(got - exact) / std::ldexp(1.0, -149);
-  int e;
-  std::frexp(exact, &e);  // exact in [2^(e-1), 2^e)
-  return std::fabs(got - exact) / std::ldexp(1.0, e - 24);
-}
-
-std::uint32_t bits_of(float x) {
-  std::uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
+using mha::test::bits_of;
+using mha::test::ulp_error;
 
 // Max ulp error over every float with bit pattern in [lo_bits, hi_bits] (negative floats:
 // ascending bits are descending values), sixteen per call.
