@@ -112,6 +112,28 @@ std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m *
 // Logits relative to 0 while the running max is -inf: see blocked's subtrahend().
 float subtrahend(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
 
+// scale log2(e) rounded once, in every lane: the logits' base change (tolerance.h counts it).
+__m512 logit_scale_of(const mha::Problem& p) {
+  return _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
+}
+
+// The max and the sum of the 16 lanes (shuffles; not _mm512_reduce_*_ps, inside which
+// GCC 12 warns). The max of lanes that are not NaN is not NaN.
+float lanes_max(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(x);
+}
+float lanes_sum(__m512 x) {
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(x);
+}
+
 // Lanes (query rows) that see key j: those whose visible-key count exceeds j.
 __mmask16 sees(__m512i cols, std::int64_t j) {
   return _mm512_cmpgt_epi32_mask(cols, _mm512_set1_epi32(static_cast<int>(j)));
@@ -453,8 +475,7 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   const std::int64_t d16 = round_up(dim, 16);
   std::vector<float> acc_rows(static_cast<std::size_t>(rows * d16));
   std::vector<float> weights(static_cast<std::size_t>(kDecodeKeys));
-  const __m512 logit_scale =
-      _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
+  const __m512 logit_scale = logit_scale_of(p);
   const std::int64_t steps = rows * (kDecodeKeys / 16 * ((dim + 127) / 128) + kDecodeKeys);
   const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
@@ -508,13 +529,8 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
             // VMAXPS returns its second source when either is NaN: NaN logits stay out.
             mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
           }
-          // The max over the 16 lanes, in every lane; alpha by the vector 2^x (its error
-          // cancels: O and l get the same factor).
-          mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
-          mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
-          mv = _mm512_max_ps(mv, _mm512_permute_ps(mv, _MM_SHUFFLE(1, 0, 3, 2)));
-          mv = _mm512_max_ps(mv, _mm512_permute_ps(mv, _MM_SHUFFLE(2, 3, 0, 1)));
-          const float tile_max = _mm512_cvtss_f32(mv);  // no lane of mv is NaN
+          // alpha by the vector 2^x (its error cancels: O and l get the same factor).
+          const float tile_max = lanes_max(mv);  // no lane of mv is NaN
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             // 0 when the old max is -inf.
@@ -532,11 +548,7 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
             _mm512_storeu_ps(weights.data() + j0, w);
             sum = _mm512_add_ps(sum, w);
           }
-          sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
-          sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
-          sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(1, 0, 3, 2)));
-          sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(2, 3, 0, 1)));
-          ls[t] = ls[t] * alpha + _mm512_cvtss_f32(sum);
+          ls[t] = ls[t] * alpha + lanes_sum(sum);
           // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
           float* acc = acc_rows.data() + t * d16;
           const __m512 av = _mm512_set1_ps(alpha);
@@ -597,13 +609,11 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
   float* const m = ot + sizes[2];
   float* const l = m + ld;
   float* const alpha = l + ld;
-  float* const kc = alpha + ld;                                     // [bc][ldkv]: the K tile
-  float* const vc = kc + sizes[4];                                  // [bc][ldkv]: the V tile
+  float* const k_tile = alpha + ld;                                 // [bc][ldkv]: the K tile's rows
+  float* const v_tile = k_tile + sizes[4];                          // [bc][ldkv]: the V tile's rows
   std::vector<std::int32_t> visible(static_cast<std::size_t>(ld));  // per row, this tile
   std::int32_t* const cols = visible.data();
-  // scale log2(e) rounded once: the logits' base change (tolerance.h counts it).
-  const __m512 logit_scale =
-      _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
+  const __m512 logit_scale = logit_scale_of(p);
 
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
@@ -634,10 +644,8 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
           const std::int64_t tile_keys = std::min(bc, block_keys - c0);
           Prefetch next(k_head + (c0 + bc) * p.k.seq, p.k.seq, v_head + (c0 + bc) * p.v.seq,
                         p.v.seq, std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
-          copy_rows(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, kc, ldkv);
-          copy_rows(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim, vc, ldkv);
-          const float* const k_tile = kc;
-          const float* const v_tile = vc;
+          copy_rows(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, k_tile, ldkv);
+          copy_rows(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim, v_tile, ldkv);
           for (std::int64_t t = 0; t < padded; ++t) {
             const std::int64_t n = t < rows ? mha::visible_keys(p, r0 + t % br) - c0 : 0;
             cols[t] = static_cast<std::int32_t>(std::clamp(n, std::int64_t{0}, tile_keys));
