@@ -138,6 +138,13 @@ double read_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thre
   return rate / 1e9;
 }
 
+// Beyond L2: the better of plain reads and reads that prefetch ahead (see ProbeKernels).
+double stream_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thread,
+                   std::int64_t target) {
+  return std::max(read_gbps(k, threads, bytes_per_thread, target),
+                  read_gbps(k, threads, bytes_per_thread, target, true));
+}
+
 }  // namespace
 
 Caches detect_caches() {
@@ -198,18 +205,12 @@ Probe run_probe(bool dram) {
     const std::int64_t l2 = c.l2 > 0 ? c.l2 / 2 : 512 << 10;
     p.l1_gbps[all] = read_gbps(k, threads, l1, 1 << 30);
     p.l2_gbps[all] = read_gbps(k, threads, l2, 1 << 30);
-    // Beyond L2, the better of plain reads and reads with prefetch (see ProbeKernels).
-    if (c.l3 > 0) {
-      const std::int64_t bytes = c.l3 / 2 / threads, target = std::int64_t{1} << 30;
-      p.l3_gbps[all] = std::max(read_gbps(k, threads, bytes, target),
-                                read_gbps(k, threads, bytes, target, true));
-    }
+    if (c.l3 > 0)
+      p.l3_gbps[all] = stream_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
     if (dram) {
       // 4x the last-level cache, shared among the threads; at least 256 MiB.
       const std::int64_t total = std::max<std::int64_t>(4 * c.last_level(), 256 << 20);
-      const std::int64_t bytes = total / threads;
-      p.dram_gbps[all] = std::max(read_gbps(k, threads, bytes, bytes * 2),
-                                  read_gbps(k, threads, bytes, bytes * 2, true));
+      p.dram_gbps[all] = stream_gbps(k, threads, total / threads, total / threads * 2);
     }
   }
   return p;
