@@ -13,9 +13,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <set>
 #include <sstream>
 #include <string>
@@ -194,15 +196,38 @@ std::vector<Impl> implementations() {
 // calls Google Benchmark makes for one benchmark, and rotated over enough copies to read
 // cold data when the KV cache is beyond the last-level cache.
 
+// Tensors start on a 64-byte boundary (a cache line, a zmm), as the allocators of
+// frameworks give them (PyTorch's and oneDNN's align to 64 bytes). std::vector's storage
+// of a large tensor is 16 bytes past a page boundary, so every 64-byte vector load of a row
+// would straddle two cache lines; decode, which reads K and V in place, ran up to a third
+// slower so.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::size_t kAlign = 64;
+  CacheLineAllocator() = default;
+  template <typename U>
+  explicit CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(kAlign, (n * sizeof(T) + kAlign - 1) / kAlign * kAlign);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  friend bool operator==(const CacheLineAllocator&, const CacheLineAllocator&) { return true; }
+  friend bool operator!=(const CacheLineAllocator&, const CacheLineAllocator&) { return false; }
+};
+using Tensor = std::vector<float, CacheLineAllocator<float>>;
+
 struct Workspace {
   std::string key;
   Problem p;
   int copies = 1;
-  std::vector<std::vector<float>> q, k, v;
-  std::vector<float> o, lse;
+  std::vector<Tensor> q, k, v;
+  Tensor o, lse;
 };
 
-void fill(std::vector<float>& x, std::uint64_t seed) {
+void fill(Tensor& x, std::uint64_t seed) {
   std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
   for (float& f : x) {  // xorshift: cheap, and touches every page
     s ^= s << 13;
