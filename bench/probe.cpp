@@ -145,6 +145,12 @@ double stream_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_th
                   read_gbps(k, threads, bytes_per_thread, target, true));
 }
 
+// 4x the last-level cache, shared among the threads; at least 256 MiB.
+double dram_gbps(const ProbeKernels& k, const Caches& c, int threads) {
+  const std::int64_t total = std::max<std::int64_t>(4 * c.last_level(), 256 << 20);
+  return stream_gbps(k, threads, total / threads, total / threads * 2);
+}
+
 }  // namespace
 
 Caches detect_caches() {
@@ -207,13 +213,13 @@ Probe run_probe(bool dram) {
     p.l2_gbps[all] = read_gbps(k, threads, l2, 1 << 30);
     if (c.l3 > 0)
       p.l3_gbps[all] = stream_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
-    if (dram) {
-      // 4x the last-level cache, shared among the threads; at least 256 MiB.
-      const std::int64_t total = std::max<std::int64_t>(4 * c.last_level(), 256 << 20);
-      p.dram_gbps[all] = stream_gbps(k, threads, total / threads, total / threads * 2);
-    }
+    if (dram) p.dram_gbps[all] = dram_gbps(k, c, threads);
   }
   return p;
+}
+
+double measure_dram_gbps(const Caches& caches, int threads) {
+  return dram_gbps(vector_kernels().front(), caches, threads);
 }
 
 }  // namespace mha::bench
