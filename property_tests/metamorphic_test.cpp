@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -327,6 +328,18 @@ TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
                                            static_cast<double>(parts.size()));
     expect_close(p, merged, ref::attention(p, in.q, in.k, in.v), tol, 1.0,
                  "merged over " + std::to_string(parts.size()) + " KV chunks");
+
+    // In place, as merge() allows (o = parts.o[0]): the same bits in every element.
+    merge(p, list, parts[0].o.data(), nullptr);
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      for (std::int64_t i = 0; i < p.q_len; ++i) {
+        for (std::int64_t h = 0; h < p.q_heads; ++h) {
+          const std::int64_t row = b * p.o.batch + i * p.o.seq + h * p.o.head;
+          RC_ASSERT(std::memcmp(parts[0].o.data() + row, merged.o.data() + row,
+                                static_cast<std::size_t>(p.head_dim) * sizeof(float)) == 0);
+        }
+      }
+    }
   });
 }
 

@@ -284,6 +284,7 @@ namespace detail {
 // parallel driver merges every unit of an already checked problem).
 inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, float* lse) {
   std::vector<float> weight(static_cast<std::size_t>(parts.count));
+  std::vector<float> acc(static_cast<std::size_t>(p.head_dim));  // one row of o
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
@@ -315,15 +316,18 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
           for (int c = 0; c < parts.count; ++c) weight[c] /= sum;
           result_lse = m + std::log(sum);
         }
-        for (std::int64_t d = 0; d < p.head_dim; ++d) {
-          float acc = 0.0f;
-          for (int c = 0; c < parts.count; ++c) {
-            // Only a part that saw no key is skipped (its o is zeros by contract); a weight
-            // that underflowed to 0 still multiplies, so NaN in that part propagates.
-            if (parts.lse[c][lse_off] != neg_inf) acc += weight[c] * parts.o[c][part_off + d];
-          }
-          out[d] = acc;
+        // Part by part over the whole row (vector loops), each element summed in part
+        // order, and the row written once all parts are read (o may be parts.o[0]). Only a
+        // part that saw no key is skipped (its o is zeros by contract); a weight that
+        // underflowed to 0 still multiplies, so NaN in that part propagates.
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int c = 0; c < parts.count; ++c) {
+          if (parts.lse[c][lse_off] == neg_inf) continue;
+          const float w = weight[c];
+          const float* part = parts.o[c] + part_off;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) acc[d] += w * part[d];
         }
+        std::copy(acc.begin(), acc.end(), out);
         if (lse != nullptr) lse[b * p.lse.batch + h * p.lse.head + i] = result_lse;
       }
     }
