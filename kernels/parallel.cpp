@@ -141,9 +141,7 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
     return lse + u.b * p.lse.batch + u.kv * g * p.lse.head + u.r0;
   };
 
-  const auto n_tasks = static_cast<std::int64_t>(s.tasks.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (std::int64_t t = 0; t < n_tasks; ++t) {
+  const auto run_task = [&](std::int64_t t) {
     const Task& task = s.tasks[static_cast<std::size_t>(t)];
     const Unit& u = s.units[static_cast<std::size_t>(task.unit)];
     Problem tp = unit_problem(u);
@@ -160,10 +158,23 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
       kernel(tp, tq, tk, tv, scratch_o.get() + task.part * part_o,
              scratch_lse.get() + task.part * part_lse);
     }
+  };
+  const auto n_tasks = static_cast<std::int64_t>(s.tasks.size());
+  if (pl.chunks > 1) {
+    // Split KV: chunks of equal work, dealt out the same way every call, so that a thread
+    // finds its chunks in its own core's L2 when the KV cache fits there (dynamic dealing
+    // can move a chunk to the other core from one call to the next).
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (std::int64_t t = 0; t < n_tasks; ++t) run_task(t);
+  } else {
+    // Units of unequal work (causal blocks see different numbers of keys): taken in turn.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (std::int64_t t = 0; t < n_tasks; ++t) run_task(t);
   }
 
   const auto n_units = static_cast<std::int64_t>(s.units.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  // One unit (a decode of one KV head) is merged where it is, without waking the threads.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_units > 1)
   for (std::int64_t i = 0; i < n_units; ++i) {
     const Unit& u = s.units[static_cast<std::size_t>(i)];
     const Problem up = unit_problem(u);
