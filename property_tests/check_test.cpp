@@ -347,7 +347,7 @@ TEST(Driver, NumThreadsFromTheEnvironment) {
 
 TEST(Driver, PlanDependsOnTheProblemOnly) {
   const Plan prefill = plan(make_problem(2, 2048, 2048, 32, 8, 128, true));
-  EXPECT_EQ(prefill.units, 2 * 8 * 32);
+  EXPECT_EQ(prefill.units, 2 * 8 * (2048 / Plan::kRowBlock));
   EXPECT_EQ(prefill.chunks, 1);
   const Plan decode = plan(make_problem(1, 1, 131072, 32, 8, 128, true));
   EXPECT_EQ(decode.units, 8);

@@ -43,7 +43,7 @@
 // steps; Kp and Vp hold Bc x D floats each (64 KiB at D = 128). R: every block reads all
 // the K and V it sees from memory (or L3) once, so R divides that traffic; the block's O
 // buffer (R x D16 floats, D16 = D rounded up to 16) is at most 128 KiB, so R = 256 at
-// D = 128, g = 4 (Br = 64: one block per 64-row unit of the parallel driver). Going from
+// D = 128, g = 4 (Br = 64: two blocks per 128-row unit of the parallel driver). Going from
 // R = 128 to 256 made the D = 128 prefill about 4% faster. Qp and the S buffer (R x Bc) are
 // as large as O: each phase works in about 320 KiB (S: Qp, S buffer, Kp; P V: S buffer, O,
 // Vp), in L2 on current cores (1-2 MiB); with a 256 KiB L2 the streamed Qp and S rows come

@@ -24,7 +24,7 @@ namespace mha {
 ///   at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole,
 ///   except the last, which stays causal.
 struct Plan {
-  static constexpr std::int64_t kRowBlock = 64;   ///< query rows per unit
+  static constexpr std::int64_t kRowBlock = 128;  ///< query rows per unit
   static constexpr std::int64_t kMinUnits = 16;   ///< below this, split the KV length
   static constexpr std::int64_t kChunk = 256;     ///< keys per KV chunk at least: 256 KiB
                                                   ///< of K and V at D = 128, many tiles
