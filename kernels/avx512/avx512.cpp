@@ -401,6 +401,68 @@ void finish_row(const float* acc, std::int64_t acc_stride, float m, float l, std
   }
 }
 
+// r[i][j] <-> r[j][i]: a 16 x 16 transpose in 64 shuffles (pairs of rows, then quads,
+// then 128-bit blocks twice).
+void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8;
+       ++i) {  // t[2i]: a0 b0 a1 b1 | a4 b4 a5 b5 | ..., t[2i+1]: a2 b2 a3 b3 | ...
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c]: column c (mod 4) of rows 4i .. 4i+3, per block
+    const __m512d lo = _mm512_castps_pd(t[4 * i]), hi = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d lo1 = _mm512_castps_pd(t[4 * i + 1]), hi1 = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo1, hi1));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo1, hi1));
+  }
+  for (int c = 0; c < 4; ++c) {  // blocks: u[c] rows 0-3, u[4 + c] 4-7, u[8 + c] 8-11, ...
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // columns c, c + 8
+    const __m512 v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);  // columns c + 4, c + 12
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    r[c + 4] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[c + 12] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
+// Q^T for 16 rows: panel[d * kStrip + i] = row_i[d] for d < head_dim, 0 for the rows that
+// are null (padding). Rows are read with masked vector loads of their own elements only.
+void pack_rows16(const float* const (&row)[16], std::int64_t head_dim, float* panel) {
+  for (std::int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+    const std::int64_t n = std::min<std::int64_t>(16, head_dim - d0);
+    const __mmask16 mask = first_lanes(n);
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) {
+      r[i] = row[i] != nullptr ? _mm512_maskz_loadu_ps(mask, row[i] + d0) : _mm512_setzero_ps();
+    }
+    transpose16(r);
+    for (std::int64_t d = 0; d < n; ++d) _mm512_store_ps(panel + (d0 + d) * kStrip, r[d]);
+  }
+}
+
+// o_i = acc_i / l_i for 16 rows whose accumulators are lanes of the O^T panel
+// (panel[d * kStrip + i]): a division, one rounding, as finish_row.
+void divide_rows16(const float* panel, const float* l, std::int64_t head_dim,
+                   float* const (&o)[16]) {
+  for (std::int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+    const std::int64_t n = std::min<std::int64_t>(16, head_dim - d0);
+    const __mmask16 mask = first_lanes(n);
+    __m512 r[16];
+    for (std::int64_t d = 0; d < 16; ++d) {
+      r[d] = d < n ? _mm512_load_ps(panel + (d0 + d) * kStrip) : _mm512_setzero_ps();
+    }
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) {
+      _mm512_mask_storeu_ps(o[i] + d0, mask, _mm512_div_ps(r[i], _mm512_set1_ps(l[i])));
+    }
+  }
+}
+
 // lane i of the result = the sum of the 16 lanes of a[i]: sixteen dot products finished at
 // once (45 instructions instead of 16 horizontal sums).
 __m512 sum_lanes16(const __m512 (&a)[16]) {
@@ -640,11 +702,15 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
         const std::int64_t br = std::min(tiling.rows_per_head, p.q_len - r0);
         const std::int64_t rows = group * br;
         const std::int64_t padded = round_up(rows, 16);
-        for (std::int64_t t = 0; t < padded; ++t) {
-          const float* row =
-              q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head;
-          float* const to = qt + t / kStrip * dim * kStrip + t % kStrip;
-          for (std::int64_t d = 0; d < dim; ++d) to[d * ld] = t < rows ? row[d] : 0.0f;
+        for (std::int64_t t0 = 0; t0 < padded; t0 += 16) {
+          const float* row[16];
+          for (std::int64_t i = 0; i < 16; ++i) {
+            const std::int64_t t = t0 + i;
+            row[i] = t < rows
+                         ? q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head
+                         : nullptr;
+          }
+          pack_rows16(row, dim, qt + t0 / kStrip * dim * kStrip + t0 % kStrip);
         }
         std::fill(m, m + padded, -std::numeric_limits<float>::infinity());
         std::fill(l, l + padded, 0.0f);
@@ -746,12 +812,25 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
           }
         }
 
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t row = r0 + t % br, head = head0 + t / br;
-          finish_row(ot + t / kStrip * dim * kStrip + t % kStrip, ld, m[t], l[t],
-                     mha::visible_keys(p, row), dim,
-                     o + b * p.o.batch + row * p.o.seq + head * p.o.head,
-                     lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
+        // o = O / l: 16 rows at a time by a transpose when all 16 see some key, else row by
+        // row; lse row by row (finish_row with no columns).
+        for (std::int64_t t0 = 0; t0 < rows; t0 += 16) {
+          const std::int64_t n = std::min<std::int64_t>(16, rows - t0);
+          float* o_row[16];
+          bool all_see = n == 16;
+          for (std::int64_t i = 0; i < n; ++i) {
+            const std::int64_t t = t0 + i, row = r0 + t % br, head = head0 + t / br;
+            o_row[i] = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
+            all_see = all_see && mha::visible_keys(p, row) > 0;
+          }
+          const float* const panel = ot + t0 / kStrip * dim * kStrip + t0 % kStrip;
+          if (all_see) divide_rows16(panel, l + t0, dim, o_row);
+          for (std::int64_t i = 0; i < n; ++i) {
+            const std::int64_t t = t0 + i, row = r0 + t % br, head = head0 + t / br;
+            finish_row(panel + i, ld, m[t], l[t], mha::visible_keys(p, row), all_see ? 0 : dim,
+                       o_row[i],
+                       lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
+          }
         }
       }
     }
