@@ -15,20 +15,25 @@ namespace mha {
 /// * Units: (batch, KV-head group, block of query rows). A group is the g = q_heads /
 ///   kv_heads query heads that read one KV head, so a unit is the problem
 ///   {batch 1, q_heads g, kv_heads 1, its rows}: the kernel loads each KV tile once for all
-///   g heads. Rows are sliced with bottom-right causal alignment (DESIGN.md): rows
-///   [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no key is written as
-///   zeros and lse = -inf by the driver itself.
+///   g heads. A unit's block of query rows is kUnitRows / g long, within [kMinRowBlock,
+///   kRowBlock], so that a unit is about 512 rows of all g heads (a block of the avx512
+///   kernel); MQA (g = 32) gets 16-row blocks. Rows are sliced
+///   with bottom-right causal alignment (DESIGN.md): rows [r0, r1) see keys up to
+///   kv_len - q_len + r1; a slice that sees no key is written as zeros and lse = -inf by
+///   the driver itself.
 /// * Split-KV: when there are fewer units than kMinUnits and the KV length is long
 ///   (decoding), each unit's KV range is cut into chunks; each chunk runs with lse into
 ///   scratch and the chunks are merged exactly with mha::merge. Chunks of a causal unit end
 ///   at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole,
 ///   except the last, which stays causal.
 struct Plan {
-  static constexpr std::int64_t kRowBlock = 128;  ///< query rows per unit
-  static constexpr std::int64_t kMinUnits = 16;   ///< below this, split the KV length
-  static constexpr std::int64_t kChunk = 256;     ///< keys per KV chunk at least: 256 KiB
-                                                  ///< of K and V at D = 128, many tiles
-  static constexpr std::int64_t kMaxChunks = 64;  ///< chunks per unit at most
+  static constexpr std::int64_t kUnitRows = 512;    ///< rows of all g heads per unit, about
+  static constexpr std::int64_t kRowBlock = 128;    ///< query rows per unit at most
+  static constexpr std::int64_t kMinRowBlock = 16;  ///< and at least
+  static constexpr std::int64_t kMinUnits = 16;     ///< below this, split the KV length
+  static constexpr std::int64_t kChunk = 256;       ///< keys per KV chunk at least: 256 KiB
+                                                    ///< of K and V at D = 128, many tiles
+  static constexpr std::int64_t kMaxChunks = 64;    ///< chunks per unit at most
 
   std::int64_t row_block = 0;  ///< rows per unit
   std::int64_t units = 0;      ///< batch * kv_heads * row blocks
