@@ -20,14 +20,14 @@
 // are (12 key rows of K, one row of V at a time), so K and V are never transposed: each
 // tile's rows are only copied, with vector loads and stores, to a row stride of an odd
 // number of cache lines (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128, and 12
-// of them would share one L1 set). The only transposition is Q^T, once per block. The streamed
-// operand (a 32-row strip of Q^T or of P^T, 16 KiB at D = Bc = 128) stays in L1 while
-// the microkernel walks 12 keys or 12 columns at a time. Per step 2 zmm loads and 12
-// broadcasts feed 24 independent FMAs: 12 cycles on 2 FMA ports, within 2 loads per cycle
-// and 4-cycle FMA latency. And the softmax of a row is a lane of a vector: the max and the
-// sum over keys are vertical (VMAXPS, VADDPS per key), with no horizontal reductions and
-// no scalar exp; per 16 logits it costs 11 vector instructions (max, subtraction, 2^x in
-// 8, sum) against 2 D FMAs of the two products (4% at D = 128, 8% at D = 64).
+// of them would share one L1 set). The only transpositions are Q^T, once per block, and O^T
+// back to o at its end, 16 x 16 floats at a time in registers. The streamed operand (a 32-row strip
+// of Q^T or of P^T, 16 KiB at D = Bc = 128) stays in L1 while the microkernel walks 12 keys or 12
+// columns at a time. Per step 2 zmm loads and 12 broadcasts feed 24 independent FMAs: 12 cycles on
+// 2 FMA ports, within 2 loads per cycle and 4-cycle FMA latency. And the softmax of a row is a lane
+// of a vector: the max and the sum over keys are vertical (VMAXPS, VADDPS per key), with no
+// horizontal reductions and no scalar exp; per 16 logits it costs 11 vector instructions (max,
+// subtraction, 2^x in 8, sum) against 2 D FMAs of the two products (4% at D = 128, 8% at D = 64).
 //
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so
