@@ -16,18 +16,19 @@
 //         O^T = alpha O^T + V^T P^T    microkernel: 12 columns x 32 rows, V broadcast
 //     o = O / l, lse = (m + log2 l) ln 2
 //
-// Why transposed. The broadcast operands of both products are rows of K and V as they
-// are (12 key rows of K, one row of V at a time), so K and V are never transposed: each
-// tile's rows are only copied, with vector loads and stores, to a row stride of an odd
-// number of cache lines (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128, and 12
-// of them would share one L1 set). The only transpositions are Q^T, once per block, and O^T
-// back to o at its end, 16 x 16 floats at a time in registers. The streamed operand (a 32-row strip
-// of Q^T or of P^T, 16 KiB at D = Bc = 128) stays in L1 while the microkernel walks 12 keys or 12
-// columns at a time. Per step 2 zmm loads and 12 broadcasts feed 24 independent FMAs: 12 cycles on
-// 2 FMA ports, within 2 loads per cycle and 4-cycle FMA latency. And the softmax of a row is a lane
-// of a vector: the max and the sum over keys are vertical (VMAXPS, VADDPS per key), with no
-// horizontal reductions and no scalar exp; per 16 logits it costs 11 vector instructions (max,
-// subtraction, 2^x in 8, sum) against 2 D FMAs of the two products (4% at D = 128, 8% at D = 64).
+// Why transposed. The broadcast operands of both products are rows of K and V as they are
+// (12 key rows of K, one row of V at a time), so K and V are never transposed: each tile's
+// rows are only copied, with vector loads and stores, to a row stride of an odd number of
+// cache lines (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128, and 12 of them
+// would share one L1 set). The only transpositions are Q^T, once per block, and O^T back to
+// o at its end, 16 x 16 floats at a time in registers. The streamed operand (a 32-row strip
+// of Q^T or of P^T, 16 KiB at D = Bc = 128) stays in L1 while the microkernel walks 12 keys
+// or 12 columns at a time. Per step 2 zmm loads and 12 broadcasts feed 24 independent FMAs:
+// 12 cycles on 2 FMA ports, within 2 loads per cycle and 4-cycle FMA latency. And the
+// softmax of a row is a lane of a vector: the max and the sum over keys are vertical
+// (VMAXPS, VADDPS per key), with no horizontal reductions and no scalar exp; per 16 logits
+// it costs 11 vector instructions (max, subtraction, 2^x in 8, sum) against 2 D FMAs of the
+// two products (4% at D = 128, 8% at D = 64; measured 5.5% and 10% of the kernel's time).
 //
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so
@@ -405,8 +406,9 @@ void finish_row(const float* acc, std::int64_t acc_stride, float m, float l, std
 // then 128-bit blocks twice).
 void transpose16(__m512 (&r)[16]) {
   __m512 t[16], u[16];
-  for (int i = 0; i < 8;
-       ++i) {  // t[2i]: a0 b0 a1 b1 | a4 b4 a5 b5 | ..., t[2i+1]: a2 b2 a3 b3 | ...
+  // Rows a = r[2i], b = r[2i+1]:
+  // t[2i] = a0 b0 a1 b1 | a4 b4 a5 b5 | ...,  t[2i+1] = a2 b2 a3 b3 | ...
+  for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
@@ -658,10 +660,10 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
   const std::int64_t dim = p.head_dim;
   const Tiling tiling = choose_tiling(p);
   const std::int64_t bc = tiling.keys;
-  // Q^T, S^T and O^T are strip-major: the 32 rows of a strip are one contiguous panel,
-  // [head_dim][32] (Q^T, O^T) or [Bc][32] (S^T), 16 KiB in 4 pages at D = Bc = 128, and
-  // within a panel rows are ld = kStrip apart. (Stored [d][R], a strip's lines lay 1 KiB
-  // apart over 34 pages; strip-major measured 1-2.5% faster at D = 128.)
+  // Q^T and O^T are strip-major: the 32 rows of a strip are one contiguous [head_dim][32]
+  // panel, 16 KiB in 4 pages at D = 128 (stored [d][R], a strip's lines lay 1 KiB apart over
+  // 34 pages; strip-major measured 1-2.5% faster at D = 128). S^T is one [Bc][32] panel,
+  // reused by every strip. Within a panel, rows are ld = kStrip apart.
   const std::int64_t block_rows = round_up(group * tiling.rows_per_head, kStrip);
   constexpr std::int64_t ld = kStrip;
 
