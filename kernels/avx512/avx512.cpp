@@ -93,7 +93,7 @@ constexpr std::int64_t kStrip = 32;           // query rows per microkernel: 2 z
 constexpr std::int64_t kMaxKeys = 128;        // Bc: keys per KV tile
 constexpr std::int64_t kBlockRows = 512;      // R, rows of a block, when g and D allow
 constexpr std::int64_t kBlockFloats = 65536;  // R x D: the block's Q^T (and O^T), 256 KiB
-constexpr std::int64_t kPrefetchRows = 64;    // blocks of up to this many rows prefetch
+constexpr std::int64_t kSmallBlockRows = 64;  // decode-sized blocks: see `small` below
 
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.69314718055994530942;
@@ -123,21 +123,21 @@ __m512 logit_scale_of(const mha::Problem& p) {
   return _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
 }
 
-// The max and the sum of the 16 lanes (shuffles; not _mm512_reduce_*_ps, inside which
-// GCC 12 warns). The max of lanes that are not NaN is not NaN.
-float lanes_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+// op over the 16 lanes, by halving (shuffles; not _mm512_reduce_*_ps, inside which GCC 12
+// warns): lanes_max and lanes_sum. The max of lanes that are not NaN is not NaN.
+template <typename Op>
+float reduce_lanes(__m512 x, Op op) {
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm512_cvtss_f32(x);
 }
+float lanes_max(__m512 x) {
+  return reduce_lanes(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+}
 float lanes_sum(__m512 x) {
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_cvtss_f32(x);
+  return reduce_lanes(x, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
 // Lanes (query rows) that see key j: those whose visible-key count exceeds j.
@@ -242,6 +242,12 @@ __mmask16 first_lanes(std::int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF)
                  : static_cast<__mmask16>((1u << static_cast<unsigned>(n)) - 1u);
 }
+
+// Rows of a tensor or of a copy: the first row and the row stride, in floats.
+struct Rows {
+  const float* at;
+  std::int64_t seq;
+};
 
 // rows [0, keys) of a K or V tile (head_dim floats each, row stride `stride`) into `out`
 // with row stride ld: the microkernels' 12 broadcast rows then sit ld apart whatever the
@@ -725,43 +731,41 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
         }
 
         const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
-        // Microkernel steps of a strip over a whole tile: the first strip prefetches, in
-        // blocks of at most kPrefetchRows rows (decode with 16 to 64 rows per KV head), whose
-        // tiles compute too briefly to hide reading the next one. Larger blocks compute
-        // each tile long enough for the hardware prefetchers and the copy's own reads;
-        // software prefetches there measured 1.5-5% slower (token-major, L = 2048 and 8192).
-        const bool prefetch = padded <= kPrefetchRows;
+        // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
+        // tile too briefly to hide reading the next one: their first strip prefetches it,
+        // spread over the microkernel steps. Larger blocks compute each tile long enough for
+        // the hardware prefetchers and the copy's own reads; software prefetches there
+        // measured 1.5-5% slower (token-major, L = 2048 and 8192).
+        const bool small = padded <= kSmallBlockRows;
         const std::int64_t steps = (bc + kMr - 1) / kMr * dim + (dim + kMr - 1) / kMr * bc;
-        if (prefetch) {
+        if (small) {
           Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(bc, block_keys), dim, 1).all();
         }
         // K and V tiles are copied to the padded stride ldkv, except in decode-sized blocks
-        // (the prefetching ones) whose rows are not a multiple of 1 KiB apart: there the copy
+        // whose rows are not a multiple of 1 KiB apart: there the copy
         // cost up to a third of a tile's FMAs (MQA decode, 32 rows, ran 8-17% faster reading
         // head-major rows where they are), while in large blocks the padded stride pays for
         // itself (reading 512-byte-apart rows in place made D = 128 prefill 1.5-4% slower).
         // Rows 1 KiB apart or a multiple of it (token-major: 4 KiB) put 3 or more of 12 rows
         // into one L1 set, and stride 0 (shared rows) is copied too.
-        const bool copy_k = !prefetch || p.k.seq * std::int64_t{sizeof(float)} % 1024 == 0;
-        const bool copy_v = !prefetch || p.v.seq * std::int64_t{sizeof(float)} % 1024 == 0;
+        const auto copied = [&](std::int64_t seq) {
+          return !small || seq * std::int64_t{sizeof(float)} % 1024 == 0;
+        };
+        const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
         for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
           const std::int64_t tile_keys = std::min(bc, block_keys - c0);
           Prefetch next(k_head + (c0 + bc) * p.k.seq, p.k.seq, v_head + (c0 + bc) * p.v.seq,
                         p.v.seq, std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
-          // The microkernels' K and V rows: copies, or the tensors' own rows (see copy_k).
-          const float* kt = k_head + c0 * p.k.seq;
-          const float* vt = v_head + c0 * p.v.seq;
-          std::int64_t kt_seq = p.k.seq, vt_seq = p.v.seq;
-          if (copy_k) {
-            copy_rows(kt, kt_seq, tile_keys, dim, k_tile, ldkv);
-            kt = k_tile;
-            kt_seq = ldkv;
-          }
-          if (copy_v) {
-            copy_rows(vt, vt_seq, tile_keys, dim, v_tile, ldkv);
-            vt = v_tile;
-            vt_seq = ldkv;
-          }
+          // The microkernels' K and V rows (first row, row stride): the tensor's own, or
+          // their copy in `buffer`.
+          const auto tile_rows = [&](const float* head, std::int64_t seq, bool copy,
+                                     float* buffer) {
+            if (!copy) return Rows{head + c0 * seq, seq};
+            copy_rows(head + c0 * seq, seq, tile_keys, dim, buffer, ldkv);
+            return Rows{buffer, ldkv};
+          };
+          const Rows kt = tile_rows(k_head, p.k.seq, copy_k, k_tile);
+          const Rows vt = tile_rows(v_head, p.v.seq, copy_v, v_tile);
           for (std::int64_t t = 0; t < padded; ++t) {
             const std::int64_t n = t < rows ? mha::visible_keys(p, r0 + t % br) - c0 : 0;
             cols[t] = static_cast<std::int32_t>(std::clamp(n, std::int64_t{0}, tile_keys));
@@ -779,16 +783,16 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
               std::fill(alpha + s0, alpha + s0 + strip, 1.0f);
               continue;
             }
-            Prefetch* const pf = prefetch && s0 == 0 ? &next : nullptr;
+            Prefetch* const pf = small && s0 == 0 ? &next : nullptr;
             // S^T = scale log2(e) K Q^T for the strip, 12 keys at a time.
             for (std::int64_t j = 0; j < most; j += kMr) {
               with_count(std::min<std::int64_t>(kMr, most - j), [&](auto keys) {
                 constexpr int kKeys = decltype(keys)::value;
                 if (strip == 32) {
-                  logits_tile<kKeys, 2>(qt + s0 * dim, ld, kt + j * kt_seq, kt_seq, dim,
+                  logits_tile<kKeys, 2>(qt + s0 * dim, ld, kt.at + j * kt.seq, kt.seq, dim,
                                         logit_scale, st + j * ld, pf);
                 } else {
-                  logits_tile<kKeys, 1>(qt + s0 * dim, ld, kt + j * kt_seq, kt_seq, dim,
+                  logits_tile<kKeys, 1>(qt + s0 * dim, ld, kt.at + j * kt.seq, kt.seq, dim,
                                         logit_scale, st + j * ld, pf);
                 }
               });
@@ -817,17 +821,17 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
                 constexpr int kCols = decltype(columns)::value;
                 float* o_cols = ot + s0 * dim + d * ld;
                 if (strip == 32) {
-                  pv_tile<kCols, 2, false>(st, ld, 0, shared, vt + d, vt_seq, o_cols, alpha + s0,
+                  pv_tile<kCols, 2, false>(st, ld, 0, shared, vt.at + d, vt.seq, o_cols, alpha + s0,
                                            strip_cols, pf);
                   if (shared < most) {
-                    pv_tile<kCols, 2, true>(st, ld, shared, most, vt + d, vt_seq, o_cols,
+                    pv_tile<kCols, 2, true>(st, ld, shared, most, vt.at + d, vt.seq, o_cols,
                                             alpha + s0, strip_cols, pf);
                   }
                 } else {
-                  pv_tile<kCols, 1, false>(st, ld, 0, shared, vt + d, vt_seq, o_cols, alpha + s0,
+                  pv_tile<kCols, 1, false>(st, ld, 0, shared, vt.at + d, vt.seq, o_cols, alpha + s0,
                                            strip_cols, pf);
                   if (shared < most) {
-                    pv_tile<kCols, 1, true>(st, ld, shared, most, vt + d, vt_seq, o_cols,
+                    pv_tile<kCols, 1, true>(st, ld, shared, most, vt.at + d, vt.seq, o_cols,
                                             alpha + s0, strip_cols, pf);
                   }
                 }
