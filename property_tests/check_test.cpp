@@ -347,10 +347,11 @@ TEST(Driver, NumThreadsFromTheEnvironment) {
 
 TEST(Driver, PlanDependsOnTheProblemOnly) {
   const Plan prefill = plan(make_problem(2, 2048, 2048, 32, 8, 128, true));
-  EXPECT_EQ(prefill.units, 2 * 8 * (2048 / Plan::kRowBlock));  // g = 4: 128-row blocks
+  EXPECT_EQ(prefill.row_block, 128);  // g = 4: kUnitRows / 4
+  EXPECT_EQ(prefill.units, 2 * 8 * 16);
   EXPECT_EQ(prefill.chunks, 1);
   const Plan mqa = plan(make_problem(1, 1024, 1024, 32, 1, 128, false));
-  EXPECT_EQ(mqa.row_block, Plan::kUnitRows / 32);  // 16 rows x 32 heads
+  EXPECT_EQ(mqa.row_block, 16);  // g = 32: kUnitRows / 32
   EXPECT_EQ(mqa.units, 1024 / 16);
   EXPECT_EQ(mqa.chunks, 1);  // enough units: not split
   const Plan decode = plan(make_problem(1, 1, 131072, 32, 8, 128, true));

@@ -13,14 +13,13 @@ namespace mha {
 /// bit-identical output.
 ///
 /// * Units: (batch, KV-head group, block of query rows). A group is the g = q_heads /
-///   kv_heads query heads that read one KV head, so a unit is the problem
-///   {batch 1, q_heads g, kv_heads 1, its rows}: the kernel loads each KV tile once for all
-///   g heads. A unit's block of query rows is kUnitRows / g long, within [kMinRowBlock,
-///   kRowBlock], so that a unit is about 512 rows of all g heads (a block of the avx512
-///   kernel); MQA (g = 32) gets 16-row blocks. Rows are sliced
-///   with bottom-right causal alignment (DESIGN.md): rows [r0, r1) see keys up to
-///   kv_len - q_len + r1; a slice that sees no key is written as zeros and lse = -inf by
-///   the driver itself.
+///   kv_heads query heads that read one KV head, so a unit is the problem {batch 1,
+///   q_heads g, kv_heads 1, its rows}: the kernel loads each KV tile once for all g heads.
+///   A unit's block of query rows is kUnitRows / g long, within [kMinRowBlock, kRowBlock],
+///   so that a unit is about 512 rows of all g heads (a block of the avx512 kernel); MQA
+///   (g = 32) gets 16-row blocks. Rows are sliced with bottom-right causal alignment
+///   (DESIGN.md): rows [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no
+///   key is written as zeros and lse = -inf by the driver itself.
 /// * Split-KV: when there are fewer units than kMinUnits and the KV length is long
 ///   (decoding), each unit's KV range is cut into chunks; each chunk runs with lse into
 ///   scratch and the chunks are merged exactly with mha::merge. Chunks of a causal unit end
