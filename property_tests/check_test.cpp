@@ -356,8 +356,8 @@ TEST(Driver, PlanDependsOnTheProblemOnly) {
   EXPECT_EQ(mqa.chunks, 1);  // enough units: not split
   const Plan decode = plan(make_problem(1, 1, 131072, 32, 8, 128, true));
   EXPECT_EQ(decode.units, 8);
-  EXPECT_EQ(decode.chunks, 64);  // the cap: 2048-key chunks
-  EXPECT_EQ(decode.chunk, 2048);
+  EXPECT_EQ(decode.chunks, 16);  // the cap: 8192-key chunks
+  EXPECT_EQ(decode.chunk, 8192);
   const Plan short_cache = plan(make_problem(1, 1, 511, 8, 1, 128, true));
   EXPECT_EQ(short_cache.chunks, 1);  // below 2 kChunk keys: not split
 }
