@@ -29,7 +29,8 @@
 // softmax of a row is a lane of a vector: the max and the sum over keys are vertical
 // (VMAXPS, VADDPS per key), with no horizontal reductions and no scalar exp; per 16 logits
 // it costs 11 vector instructions (max, subtraction, 2^x in 8, sum) against 2 D FMAs of the
-// two products (4% at D = 128, 8% at D = 64; measured 5.5% and 10% of the kernel's time).
+// two products (4% at D = 128, 8% at D = 64; measured 3.5-6.5% and 9.5-12.5% of the
+// kernel's time, on the same two ports as the FMAs).
 //
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so

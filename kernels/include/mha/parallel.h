@@ -34,8 +34,8 @@ struct Plan {
                                                     ///< of K and V at D = 128, many tiles
   /// Chunks per unit at most. Each chunk is a kernel call whose first KV tile is read
   /// before any of its work can hide it, and a part to merge: MQA decode (32 rows, Lk =
-  /// 32768) in 64 chunks of 512 keys ran 16% slower on 1 thread and 20% slower on 2 than
-  /// in 16 of 2048. 16 chunks still keep 16 cores busy on a single sequence's decode.
+  /// 32768) in 64 chunks of 512 keys took 12-14% longer on 1 thread and 13-21% longer on
+  /// 2 than in 16 of 2048. 16 chunks still keep 16 cores busy on a single sequence's decode.
   static constexpr std::int64_t kMaxChunks = 16;
 
   std::int64_t row_block = 0;  ///< rows per unit
