@@ -244,6 +244,13 @@ __mmask16 first_lanes(std::int64_t n) {
                  : static_cast<__mmask16>((1u << static_cast<unsigned>(n)) - 1u);
 }
 
+// Row t's lane at d = 0 in a strip-major buffer (Q^T, O^T): strip t / kStrip is a
+// [head_dim][kStrip] panel, row t its lane t % kStrip.
+template <typename T>
+T* panel_lane(T* base, std::int64_t t, std::int64_t head_dim) {
+  return base + t / kStrip * head_dim * kStrip + t % kStrip;
+}
+
 // Rows of a tensor or of a copy: the first row and the row stride, in floats.
 struct Rows {
   const float* at;
@@ -720,16 +727,11 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
                          ? q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head
                          : nullptr;
           }
-          pack_rows16(row, dim, qt + t0 / kStrip * dim * kStrip + t0 % kStrip);
+          pack_rows16(row, dim, panel_lane(qt, t0, dim));
         }
         std::fill(m, m + padded, -std::numeric_limits<float>::infinity());
         std::fill(l, l + padded, 0.0f);
-        for (std::int64_t s0 = 0; s0 < padded; s0 += kStrip) {
-          for (std::int64_t d = 0; d < dim; ++d) {
-            float* const to = ot + s0 * dim + d * ld;
-            std::fill(to, to + std::min(kStrip, padded - s0), 0.0f);
-          }
-        }
+        std::fill(ot, ot + round_up(padded, kStrip) * dim, 0.0f);
 
         const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
         // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
@@ -790,11 +792,11 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
               with_count(std::min<std::int64_t>(kMr, most - j), [&](auto keys) {
                 constexpr int kKeys = decltype(keys)::value;
                 if (strip == 32) {
-                  logits_tile<kKeys, 2>(qt + s0 * dim, ld, kt.at + j * kt.seq, kt.seq, dim,
-                                        logit_scale, st + j * ld, pf);
+                  logits_tile<kKeys, 2>(panel_lane(qt, s0, dim), ld, kt.at + j * kt.seq, kt.seq,
+                                        dim, logit_scale, st + j * ld, pf);
                 } else {
-                  logits_tile<kKeys, 1>(qt + s0 * dim, ld, kt.at + j * kt.seq, kt.seq, dim,
-                                        logit_scale, st + j * ld, pf);
+                  logits_tile<kKeys, 1>(panel_lane(qt, s0, dim), ld, kt.at + j * kt.seq, kt.seq,
+                                        dim, logit_scale, st + j * ld, pf);
                 }
               });
             }
@@ -820,7 +822,7 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
             for (std::int64_t d = 0; d < dim; d += kMr) {
               with_count(std::min<std::int64_t>(kMr, dim - d), [&](auto columns) {
                 constexpr int kCols = decltype(columns)::value;
-                float* o_cols = ot + s0 * dim + d * ld;
+                float* o_cols = panel_lane(ot, s0, dim) + d * ld;
                 if (strip == 32) {
                   pv_tile<kCols, 2, false>(st, ld, 0, shared, vt.at + d, vt.seq, o_cols, alpha + s0,
                                            strip_cols, pf);
@@ -846,19 +848,21 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
         for (std::int64_t t0 = 0; t0 < rows; t0 += 16) {
           const std::int64_t n = std::min<std::int64_t>(16, rows - t0);
           float* o_row[16];
+          float* lse_row[16];
+          std::int64_t seen[16];
           bool all_see = n == 16;
           for (std::int64_t i = 0; i < n; ++i) {
             const std::int64_t t = t0 + i, row = r0 + t % br, head = head0 + t / br;
             o_row[i] = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
-            all_see = all_see && mha::visible_keys(p, row) > 0;
+            lse_row[i] = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
+            seen[i] = mha::visible_keys(p, row);
+            all_see = all_see && seen[i] > 0;
           }
-          const float* const panel = ot + t0 / kStrip * dim * kStrip + t0 % kStrip;
+          const float* const panel = panel_lane(ot, t0, dim);
           if (all_see) divide_rows16(panel, l + t0, dim, o_row);
           for (std::int64_t i = 0; i < n; ++i) {
-            const std::int64_t t = t0 + i, row = r0 + t % br, head = head0 + t / br;
-            finish_row(panel + i, ld, m[t], l[t], mha::visible_keys(p, row), all_see ? 0 : dim,
-                       o_row[i],
-                       lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
+            finish_row(panel + i, ld, m[t0 + i], l[t0 + i], seen[i], all_see ? 0 : dim, o_row[i],
+                       lse_row[i]);
           }
         }
       }
