@@ -257,7 +257,7 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
   }
   // A decode measured against DRAM rotates over copies of its KV cache that together
   // exceed 3x the last-level cache the system reports, so no call finds its data in any
-  // cache level, whatever its true size (this VM reports 480 MiB of L3 that reads at DRAM
+  // cache level, whatever its true size (a VM may report 480 MiB of L3 that reads at DRAM
   // speed, yet keeps a 33 MB working set: read once per call it streamed at 1.5x DRAM).
   const std::int64_t ws = kv_bytes(w.p);
   const std::int64_t llc = probe.caches.last_level();
@@ -360,7 +360,7 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
     if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(probe.memory_level())) {
       limit = probe.dram_gbps[all];
       // Faster than the DRAM figure measured at the start of the run: the memory bandwidth
-      // has drifted (by 10% over minutes on this VM), or the probe is wrong. Measured again
+      // has drifted (by 10% over minutes on a shared VM), or the probe is wrong. Measured again
       // now, after the timed loop; the reporter turns a fraction still above 1 into an error.
       if (gbps > limit) {
         limit = std::max(limit, measure_dram_gbps(caches, all ? probe.cores : 1));

@@ -49,7 +49,7 @@ struct Probe {
 Probe run_probe(bool dram);
 
 /// The DRAM read bandwidth in GB/s on `threads` threads, measured now as run_probe
-/// measures it. This VM's memory bandwidth drifts by 10% over minutes, so a benchmark that
+/// measures it. On a shared VM memory bandwidth drifts by 10% over minutes, so a benchmark that
 /// streams at memory speed can read faster than the figure measured at the start of the run.
 double measure_dram_gbps(const Caches& caches, int threads);
 

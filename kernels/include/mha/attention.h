@@ -23,6 +23,7 @@
 // * Arithmetic is fp32. No pointer needs any alignment.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
