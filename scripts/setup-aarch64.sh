@@ -59,11 +59,19 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK"/{state/lists/partial,cache/archives/partial,debs,root}
 : >"$WORK/state/status"   # empty dpkg status: apt sees nothing installed for arm64
 
-# Private source list, derived from the machine's own sources so that the same mirror
-# (and its keyring) is used. deb822: stanzas separated by blank lines; a field may list
-# several values (two suites on one line here); continuation lines start with a blank.
+# Private source list, derived from the machine's own sources so that the same mirrors (and
+# their keyrings) are used. Read as apt reads them: /etc/apt/sources.list and every *.list
+# (one-line format) and *.sources (deb822) file of /etc/apt/sources.list.d, whatever their
+# names (Debian images say debian.sources, mmdebstrap 0000debian.sources).
 SRC="$WORK/sources.list"
-if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
+: >"$SRC"
+shopt -s nullglob
+deb822=(/etc/apt/sources.list.d/*.sources)
+oneline=(/etc/apt/sources.list /etc/apt/sources.list.d/*.list)
+shopt -u nullglob
+if ((${#deb822[@]})); then
+  # deb822: stanzas separated by blank lines; a field may list several values (two suites on
+  # one line); continuation lines start with a blank. A file ends a stanza too.
   awk '
     function flush() {
       if (types ~ /(^| )deb( |$)/ && tolower(enabled) != "no") {
@@ -74,6 +82,7 @@ if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
       }
       types = uris = suites = comps = signed = enabled = ""; key = ""
     }
+    FNR == 1 { flush() }
     /^#/ { next }
     /^[ \t]*$/ { flush(); next }
     /^[ \t]/ { next }                      # continuation (e.g. an inline key): ignored
@@ -84,17 +93,19 @@ if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
       else if (key == "suites") suites = val; else if (key == "components") comps = val
       else if (key == "signed-by") signed = val; else if (key == "enabled") enabled = val
     }
-    END { flush() }' /etc/apt/sources.list.d/debian.sources >"$SRC"
-elif [[ -f /etc/apt/sources.list ]]; then
+    END { flush() }' "${deb822[@]}" >>"$SRC"
+fi
+for f in "${oneline[@]}"; do
+  [[ -f $f ]] || continue
   # One-line format: keep "deb" lines, drop any arch= option, add arch=arm64.
   sed -nE '/^[[:space:]]*deb[[:space:]]/{
       s/arch=[^][:space:]]*//
       s/^[[:space:]]*deb[[:space:]]+\[/deb [arch=arm64 /; t p
       s/^[[:space:]]*deb[[:space:]]+/deb [arch=arm64] /
       :p
-      p }' /etc/apt/sources.list >"$SRC"
-fi
-[[ -s $SRC ]] || die "no Debian sources found in /etc/apt/sources.list.d/debian.sources or /etc/apt/sources.list"
+      p }' "$f" >>"$SRC"
+done
+[[ -s $SRC ]] || die "no Debian sources found in /etc/apt/sources.list or /etc/apt/sources.list.d/*.{list,sources}"
 
 # Private apt configuration. The machine's apt.conf.d is NOT read (Dir::Etc::Parts): it holds
 # hooks such as APT::Update::Post-Invoke-Success (appstream, packagekit) that would act on the
