@@ -1,14 +1,15 @@
-// The avx512 kernel used from a copy: README.md's "Copying a kernel into your project" builds
-// this file with avx512.cpp, avx512_exp.h and mha/attention.h alone, and the copy/avx512
-// ctest does exactly that in an empty folder. It runs one small problem and compares the
-// kernel with attention computed here in double precision.
+// A kernel used from a copy: README.md's "Copying a kernel into your project" builds this file
+// with one kernel's files and mha/attention.h alone, and the copy/<kernel> ctests do exactly
+// that in an empty folder, for every kernel of the README's table. It runs one small problem
+// and compares the kernel with attention computed here in double precision.
 //
-// Built WITHOUT the AVX-512 flags (only avx512.cpp has them), so the CPU check in main runs
-// before any AVX-512 instruction can: on a CPU without AVX-512 the program says so and exits
-// 77 instead of dying of SIGILL.
+// Compile it with -DMHA_EXAMPLE_KERNEL=<name> (naive, blocked, avx2, avx512, neon): it calls
+// mha_f32_attention_<name>. It is built WITHOUT the kernel's ISA flags (only the kernel file
+// has them), so the CPU check in main runs before any instruction of that ISA can: on a CPU
+// without it the program says so and exits 77 instead of dying of SIGILL.
 //
 // Exit codes: 0 error within the bound, 1 error above it (or an invalid problem), 77 this
-// CPU lacks AVX-512 (ctest's SKIP_RETURN_CODE).
+// CPU lacks the kernel's ISA (ctest's SKIP_RETURN_CODE).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,14 +20,23 @@
 
 #include "mha/attention.h"
 
-// From avx512.cpp. Call it only with a problem that passed mha::check, on a CPU with
-// AVX-512 F, VL, DQ and BW and FMA.
-void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse);
+#ifndef MHA_EXAMPLE_KERNEL
+#error "compile with -DMHA_EXAMPLE_KERNEL=<kernel name>, e.g. -DMHA_EXAMPLE_KERNEL=avx2"
+#endif
+#define MHA_EXAMPLE_CAT2(a, b) a##b
+#define MHA_EXAMPLE_CAT(a, b) MHA_EXAMPLE_CAT2(a, b)
+#define MHA_EXAMPLE_STR2(a) #a
+#define MHA_EXAMPLE_STR(a) MHA_EXAMPLE_STR2(a)
+#define MHA_EXAMPLE_FUNCTION MHA_EXAMPLE_CAT(mha_f32_attention_, MHA_EXAMPLE_KERNEL)
+
+// From the kernel file, e.g. avx2.cpp. Call it only with a problem that passed mha::check, on
+// a CPU with the kernel's ISA.
+void MHA_EXAMPLE_FUNCTION(const mha::Problem& p, const float* q, const float* k, const float* v,
+                          float* o, float* lse);
 
 namespace {
 
-constexpr int kNoAvx512 = 77;
+constexpr int kIsaMissing = 77;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Values in [-1, 1] from a fixed xorshift sequence: the same inputs on every machine.
@@ -91,36 +101,50 @@ double max_error(const mha::Problem& p, const float* q, const float* k, const fl
 // D = head_dim, n = kv_len (the most keys a row sees).
 //  * Logits: |scale q.k| <= sqrt(D); the fp32 dot product (D products and sums) and the
 //    scaling err by at most e_s = (D + 1) sqrt(D) u.
-//  * Weights exp(s_j - max) err relatively by 2 e_s (s_j and the max), 3 u (the subtraction
-//    and the exp's 1 ulp) and 3 u per KV tile of at least 16 keys (the online softmax's
-//    rescaling): e_w = 2 e_s + 3 u (1 + ceil(n / 16)).
+//  * Weights exp(s_j - max) err relatively by 2 e_s (s_j and the max), u for the
+//    subtraction, 3 u for the exp (the kernels' exps are within 1.5 ulp: registry.inc) and
+//    3 u per KV tile of at least 16 keys (the online softmax's rescaling):
+//    e_w = 2 e_s + 4 u + 3 u ceil(n / 16).
 //  * o = sum_j w_j v_j / sum_j w_j with |v| <= 1: the weights' errors move it by at most
 //    2 e_w, the two fp32 sums of n terms by 2 n u, the division by u.
 //  * lse = max + log(sum_j w_j) errs by at most e_s + e_w + n u + |lse| u, which is less.
-// For D = 40, n = 53: about 1170 u = 7.0e-5.
+// For D = 40, n = 53: about 1180 u = 7.0e-5.
 double error_bound(const mha::Problem& p) {
   const double u = std::ldexp(1.0, -24);
   const double dim = static_cast<double>(p.head_dim);
   const double n = static_cast<double>(p.kv_len);
   const double e_s = (dim + 1) * std::sqrt(dim) * u;
-  const double e_w = 2 * e_s + 3 * u * (1 + std::ceil(n / 16));
+  const double e_w = 2 * e_s + 4 * u + 3 * u * std::ceil(n / 16);
   return 2 * e_w + (2 * n + 1) * u;
+}
+
+// Whether this CPU runs the kernel: GCC and Clang builtins, which also check that the OS
+// saves the vector registers. Kernels not named here need only the baseline ISA.
+bool cpu_runs(const std::string& kernel) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (kernel == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("fma");
+  }
+  if (kernel == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  (void)kernel;
+  return true;
 }
 
 }  // namespace
 
 int main() {
-  // GCC and Clang builtins; they also check that the OS saves the AVX-512 registers.
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vl") ||
-      !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512bw") ||
-      !__builtin_cpu_supports("fma")) {
-    std::printf("skipped: this CPU lacks AVX-512 (F, VL, DQ, BW) or FMA\n");
-    return kNoAvx512;
+  const std::string kernel = MHA_EXAMPLE_STR(MHA_EXAMPLE_KERNEL);
+  if (!cpu_runs(kernel)) {
+    std::printf("skipped: this CPU lacks the ISA of the %s kernel\n", kernel.c_str());
+    return kIsaMissing;
   }
 
   // Batch 2; GQA, 6 query heads sharing 2 KV heads; causal against a longer KV cache
   // (bottom-right aligned: query row i sees keys 0..i+16); head_dim 40, not a multiple of
-  // the 16-float vectors, so the kernel's tails run too.
+  // any kernel's vector width, so the kernel's tails run too.
   const mha::Problem p = mha::make_problem(/*batch=*/2, /*q_len=*/37, /*kv_len=*/53,
                                            /*q_heads=*/6, /*kv_heads=*/2, /*head_dim=*/40,
                                            /*causal=*/true, mha::Layout::token_major);
@@ -136,12 +160,12 @@ int main() {
   std::vector<float> o(static_cast<std::size_t>(mha::o_extent(p)));
   std::vector<float> lse(static_cast<std::size_t>(mha::lse_extent(p)));
 
-  mha_f32_attention_avx512(p, q.data(), k.data(), v.data(), o.data(), lse.data());
+  MHA_EXAMPLE_FUNCTION(p, q.data(), k.data(), v.data(), o.data(), lse.data());
 
   const double error = max_error(p, q.data(), k.data(), v.data(), o.data(), lse.data());
   const double bound = error_bound(p);
   const bool ok = error <= bound;
-  std::printf("avx512 kernel vs attention in double: max |error| %.3g, bound %.3g: %s\n", error,
-              bound, ok ? "ok" : "FAILED");
+  std::printf("%s kernel vs attention in double: max |error| %.3g, bound %.3g: %s\n",
+              kernel.c_str(), error, bound, ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
 }

@@ -1,22 +1,32 @@
 #!/bin/sh
-# The copy/avx512 ctest: README.md's "Copying a kernel into your project" steps for the
-# avx512 kernel, done literally. Copies exactly the files the README names into an empty
-# folder, builds them with the compiler alone (no CMake, no other file of this project) and
-# runs the example. Fails if the compiler prints anything (a copied file must build without
-# warnings at -Wall -Wextra).
+# The copy/<kernel> ctests: README.md's "Copying a kernel into your project", done literally
+# for one kernel. Reads the kernel's row of the README's copy table (its files and its
+# flags), copies exactly those files, mha/attention.h and example.cpp into an empty folder,
+# builds them with the compiler alone (no CMake, no other file of this project) and runs the
+# example. Fails if the compiler prints anything (a copied file must build without warnings
+# at -Wall -Wextra).
 #
-# Usage: run.sh REPO WORK_DIR CXX [FLAG...]
+# Usage: run.sh KERNEL REPO WORK_DIR CXX [FLAG...]
+#   KERNEL    a kernel name of the table (naive, blocked, avx2, avx512, neon)
 #   REPO      this repository's root          WORK_DIR  the folder to create (emptied first)
 #   CXX       the C++ compiler                FLAG...   added to both commands (the
 #                                                       sanitizer build passes its flags)
-# Exit status: the example's (0 ok, 77 this CPU lacks AVX-512: ctest reports skipped), or 1
-# if a step fails.
+# Environment: MHA_COPY_RUNNER, a command to run the example with (an emulator for a cross
+# build, e.g. "qemu-aarch64 -L /usr/aarch64-linux-gnu"); empty: run it directly.
+# Exit status: the example's (0 ok, 77 this CPU lacks the kernel's ISA: ctest reports
+# skipped), or 1 if a step fails.
 set -eu
 
-repo=$1
-work=$2
-cxx=$3
-shift 3
+kernel=$1
+repo=$2
+work=$3
+cxx=$4
+shift 4
+
+fail() {
+  echo "copy/$kernel: $*" >&2
+  exit 1
+}
 
 # Runs one step, echoed; any output from the compiler fails the test.
 step() {
@@ -27,19 +37,34 @@ step() {
   }
   if [ -n "$out" ]; then
     printf '%s\n' "$out"
-    echo "copy/avx512: the compiler printed the above" >&2
-    exit 1
+    fail "the compiler printed the above"
   fi
 }
+
+# The table row: | `avx2` (x86-64) | `kernels/avx2/avx2.cpp`, `kernels/avx2/avx2_exp.h` | `-mavx2 -mfma` |
+row=$(grep -E "^\| \`$kernel\`" "$repo/README.md" | head -n 1)
+[ -n "$row" ] || fail "no row for $kernel in README.md's copy table"
+files=$(printf '%s\n' "$row" | cut -d'|' -f3 | tr -d '`,')
+flags=$(printf '%s\n' "$row" | cut -d'|' -f4 | tr -d '`')
+case "$flags" in *none*) flags="" ;; esac
+source=""
+for f in $files; do
+  [ -f "$repo/$f" ] || fail "README.md names $f, which does not exist"
+  case "$f" in *.cpp) source=$(basename "$f") ;; esac
+done
+[ -n "$source" ] || fail "README.md's row for $kernel names no .cpp file"
+object="${source%.cpp}.o"
 
 rm -rf "$work"
 mkdir -p "$work/mha"
 cp "$repo/kernels/include/mha/attention.h" "$work/mha/"
-cp "$repo/kernels/avx512/avx512.cpp" "$repo/kernels/avx512/avx512_exp.h" \
-  "$repo/property_tests/copy/example.cpp" "$work/"
+for f in $files; do cp "$repo/$f" "$work/"; done
+cp "$repo/property_tests/copy/example.cpp" "$work/"
 cd "$work"
-step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. -mavx512f -mavx512vl -mavx512dq -mavx512bw -mfma \
-  "$@" -c avx512.cpp
-step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. "$@" example.cpp avx512.o -o example
-echo "+ ./example"
-exec ./example
+# shellcheck disable=SC2086
+step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. $flags "$@" -c "$source"
+step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. -DMHA_EXAMPLE_KERNEL="$kernel" "$@" example.cpp \
+  "$object" -o example
+echo "+ ${MHA_COPY_RUNNER:+$MHA_COPY_RUNNER }./example"
+# shellcheck disable=SC2086
+exec ${MHA_COPY_RUNNER:-} ./example
