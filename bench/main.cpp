@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <new>
 #include <set>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "composed.h"
+#include "peers.h"
 #include "probe.h"
 #include "reference.h"
 #include "tolerance.h"
@@ -196,28 +198,13 @@ std::vector<Impl> implementations() {
 // calls Google Benchmark makes for one benchmark, and rotated over enough copies to read
 // cold data when the KV cache is beyond the last-level cache.
 
-// Tensors start on a 64-byte boundary (a cache line, a zmm), as the allocators of
-// frameworks give them (PyTorch's and oneDNN's align to 64 bytes). std::vector's storage
-// of a large tensor is 16 bytes past a page boundary, so every 64-byte vector load of a row
-// would straddle two cache lines; decode, which reads K and V in place, ran up to a third
-// slower so.
-template <typename T>
-struct CacheLineAllocator {
-  using value_type = T;
-  static constexpr std::size_t kAlign = 64;
-  CacheLineAllocator() = default;
-  template <typename U>
-  explicit CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(std::size_t n) {
-    void* p = std::aligned_alloc(kAlign, (n * sizeof(T) + kAlign - 1) / kAlign * kAlign);
-    if (p == nullptr) throw std::bad_alloc();
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, std::size_t) { std::free(p); }
-  friend bool operator==(const CacheLineAllocator&, const CacheLineAllocator&) { return true; }
-  friend bool operator!=(const CacheLineAllocator&, const CacheLineAllocator&) { return false; }
-};
-using Tensor = std::vector<float, CacheLineAllocator<float>>;
+// Tensors live in shared memory (peers.h: memfd mappings), so that the framework peers read
+// the very inputs the kernels read, in place. They start on a page boundary, hence on a
+// 64-byte one (a cache line, a zmm), as the allocators of frameworks give them (PyTorch's and
+// oneDNN's align to 64 bytes). std::vector's own storage of a large tensor is 16 bytes past a
+// page boundary, so every 64-byte vector load of a row would straddle two cache lines; decode,
+// which reads K and V in place, ran up to a third slower so.
+using Tensor = std::vector<float, SharedAllocator<float>>;
 
 struct Workspace {
   std::string key;
@@ -243,18 +230,21 @@ std::int64_t kv_bytes(const Problem& p) {
          static_cast<std::int64_t>(sizeof(float));
 }
 
+// Decode keeps its KV cache head-major, as caches usually are; prefill is token-major
+// throughout (what X W^Q etc. produce).
+Problem workspace_problem(const Shape& s) {
+  Problem p = make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal);
+  if (s.decode()) p.k = p.v = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, s.dim);
+  return p;
+}
+
 Workspace& workspace(const Shape& s, const Probe& probe) {
   static Workspace w;
   const std::string key = s.name("");
   if (w.key == key) return w;
   w = Workspace();
   w.key = key;
-  // Decode keeps its KV cache head-major, as caches usually are; prefill is token-major
-  // throughout (what X W^Q etc. produce).
-  w.p = make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal);
-  if (s.decode()) {
-    w.p.k = w.p.v = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, s.dim);
-  }
+  w.p = workspace_problem(s);
   // A decode measured against DRAM rotates over copies of its KV cache that together
   // exceed 3x the last-level cache the system reports, so no call finds its data in any
   // cache level, whatever its true size (a VM may report 480 MiB of L3 that reads at DRAM
@@ -277,16 +267,16 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
   return w;
 }
 
-// Runs the implementation once and compares sampled rows (first, middle, last query row of
-// every head) with the reference under the shared tolerance. Empty when they agree.
-std::string verify(const Impl& impl, Workspace& w, int threads) {
+// Compares sampled rows of w.o and w.lse (first, middle, last query row of every head) with
+// the reference under the shared tolerance, for an implementation whose exp errs by at most
+// `exp_ulp`; lse only when `check_lse`. Empty when they agree.
+std::string compare_with_reference(const Workspace& w, double exp_ulp, bool check_lse) {
   const Problem& p = w.p;
-  impl.run(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), w.lse.data(), threads);
   for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {
     const ref::Result want =
         ref::attention(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), row, row + 1);
     const ref::Tolerance tol =
-        ref::tolerance(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), impl.exp_ulp, row, row + 1);
+        ref::tolerance(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), exp_ulp, row, row + 1);
     for (std::int64_t b = 0; b < p.batch; ++b) {
       for (std::int64_t h = 0; h < p.q_heads; ++h) {
         const std::size_t r = tol.row(b, h, row);
@@ -302,6 +292,7 @@ std::string verify(const Impl& impl, Workspace& w, int threads) {
             return os.str();
           }
         }
+        if (!check_lse) continue;
         const double got = w.lse[static_cast<std::size_t>(b * p.lse.batch + h * p.lse.head + row)];
         const double want_lse = want.lse_at(b, h, row);
         if (!(std::fabs(got - want_lse) <= tol.lse[r]) &&
@@ -321,12 +312,45 @@ double flops(const Problem& p) {
   return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(p.batch * p.q_heads);
 }
 
+// The counters of one benchmark from the seconds its iterations took.
+void set_counters(benchmark::State& state, const Shape& s, const Problem& p, const Probe& probe,
+                  const std::string& isa, double seconds) {
+  const double per_second = static_cast<double>(state.iterations()) / seconds;
+  const int all = s.threads > 1 ? 1 : 0;
+  const double gflops = flops(p) / 1e9 * per_second;
+  state.counters["GFLOPS"] = gflops;
+  state.counters["peak_frac"] = gflops / probe.fma_peak(isa).gflops[all];
+  if (!s.decode()) return;
+  const double bytes = static_cast<double>(kv_bytes(p));
+  const double gbps = bytes / 1e9 * per_second;
+  state.counters["kv_bytes"] = bytes;
+  state.counters["GBps"] = gbps;
+  const Caches& caches = probe.caches;
+  double limit = 0.0;
+  if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(probe.memory_level())) {
+    limit = probe.dram_gbps[all];
+    // Faster than the DRAM figure measured at the start of the run: the memory bandwidth
+    // has drifted (by 10% over minutes on a shared VM), or the probe is wrong. Measured again
+    // now, after the timed loop; the reporter turns a fraction still above 1 into an error.
+    if (gbps > limit) {
+      limit = std::max(limit, measure_dram_gbps(caches, all ? probe.cores : 1));
+      state.counters["dram_gbps_now"] = limit;
+    }
+    state.SetLabel("bw:dram");
+  } else if (caches.l2 > 0 && bytes <= static_cast<double>(caches.l2) / 2) {
+    limit = probe.l2_gbps[all];
+    state.SetLabel("bw:l2");
+  }
+  if (limit > 0) state.counters["bw_frac"] = gbps / limit;
+}
+
 void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, const Probe& probe) {
   Workspace& w = workspace(s, probe);
   static std::set<std::string> verified;
   const std::string name = s.name(impl.name);
   if (verified.count(name) == 0) {
-    const std::string error = verify(impl, w, s.threads);
+    impl.run(w.p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), w.lse.data(), s.threads);
+    const std::string error = compare_with_reference(w, impl.exp_ulp, /*check_lse=*/true);
     if (!error.empty()) {
       state.SkipWithError(error.c_str());
       return;
@@ -345,34 +369,55 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double per_second = static_cast<double>(state.iterations()) / seconds;
-  const int all = s.threads > 1 ? 1 : 0;
-  const double gflops = flops(p) / 1e9 * per_second;
-  state.counters["GFLOPS"] = gflops;
-  state.counters["peak_frac"] = gflops / probe.fma_peak(impl.isa).gflops[all];
-  if (s.decode()) {
-    const double bytes = static_cast<double>(kv_bytes(p));
-    const double gbps = bytes / 1e9 * per_second;
-    state.counters["kv_bytes"] = bytes;
-    state.counters["GBps"] = gbps;
-    const Caches& caches = probe.caches;
-    double limit = 0.0;
-    if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(probe.memory_level())) {
-      limit = probe.dram_gbps[all];
-      // Faster than the DRAM figure measured at the start of the run: the memory bandwidth
-      // has drifted (by 10% over minutes on a shared VM), or the probe is wrong. Measured again
-      // now, after the timed loop; the reporter turns a fraction still above 1 into an error.
-      if (gbps > limit) {
-        limit = std::max(limit, measure_dram_gbps(caches, all ? probe.cores : 1));
-        state.counters["dram_gbps_now"] = limit;
-      }
-      state.SetLabel("bw:dram");
-    } else if (caches.l2 > 0 && bytes <= static_cast<double>(caches.l2) / 2) {
-      limit = probe.l2_gbps[all];
-      state.SetLabel("bw:l2");
-    }
-    if (limit > 0) state.counters["bw_frac"] = gbps / limit;
+  set_counters(state, s, p, probe, impl.isa, seconds);
+}
+
+// The exp error the peers are checked with. PyTorch's CPU flash attention computes exp with
+// exp_u20 (about 20 correct bits of 24: within 8 ulp); ONNX Runtime's and OpenVINO's exps
+// are not documented, and are held to the same bound. A wrong mask, scale or head mapping
+// errs by orders of magnitude more.
+constexpr double kPeerExpUlp = 8.0;
+
+template <typename T>
+std::vector<const float*> pointers(const std::vector<T>& tensors) {
+  std::vector<const float*> out;
+  for (const T& t : tensors) out.push_back(t.data());
+  return out;
+}
+
+// A framework peer on the kernels' own inputs: prepared (its session built and called once,
+// its output checked against the reference), then timed in batches of calls that take about
+// 20 ms each, the seconds measured by the server around its calls (manual time).
+void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::string& peer,
+                        const Shape& s, const Probe& probe) {
+  Workspace& w = workspace(s, probe);
+  std::string why;
+  std::fill(w.o.begin(), w.o.end(), std::numeric_limits<float>::quiet_NaN());
+  const double once = server.prepare(peer, w.p, s.threads, pointers(w.q), pointers(w.k),
+                                     pointers(w.v), w.o.data(), &why);
+  if (once < 0) {
+    state.SkipWithError((peer + ": " + why).c_str());
+    return;
   }
+  const std::string error = compare_with_reference(w, kPeerExpUlp, /*check_lse=*/false);
+  if (!error.empty()) {
+    server.release();
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  const long long batch = std::max(1LL, static_cast<long long>(0.02 / std::max(once, 1e-9)));
+  double seconds = 0.0;
+  while (state.KeepRunningBatch(batch)) {
+    const double t = server.run(batch, &why);
+    if (t < 0) {
+      state.SkipWithError((peer + ": " + why).c_str());
+      break;
+    }
+    state.SetIterationTime(t);
+    seconds += t;
+  }
+  server.release();
+  if (!state.error_occurred()) set_counters(state, s, w.p, probe, "", seconds);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -404,6 +449,19 @@ class Checked : public Base {
   }
 };
 
+// One line on standard error as each family starts, with the time since the first.
+void progress(const std::string& family) {
+  static std::string last;  // Google Benchmark calls a benchmark several times
+  if (family == last) return;
+  last = family;
+  static const auto start = std::chrono::steady_clock::now();
+  const auto seconds =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start)
+          .count();
+  std::fprintf(stderr, "mha_bench: [%lldm%02llds] %s\n", static_cast<long long>(seconds / 60),
+               static_cast<long long>(seconds % 60), family.c_str());
+}
+
 std::string fixed(double x, int digits = 1) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, x);
@@ -418,6 +476,8 @@ int main(int argc, char** argv) {
   // Our own flags, taken out before Google Benchmark parses the rest.
   Size size = Size::standard;
   bool probe_only = false;
+  std::string peers_command;  // --peers=CMD: the framework peers' server (peers.h)
+  int rounds = 1;             // --rounds=N: every shape's kernels and peers N times, alternating
   std::vector<char*> args;
   bool json_out = false, json_display = false;
   for (int i = 0; i < argc; ++i) {
@@ -439,6 +499,18 @@ int main(int argc, char** argv) {
     }
     if (a == "--probe_only") {
       probe_only = true;
+      continue;
+    }
+    if (a.rfind("--peers=", 0) == 0) {
+      peers_command = a.substr(8);
+      continue;
+    }
+    if (a.rfind("--rounds=", 0) == 0) {
+      rounds = std::atoi(a.c_str() + 9);
+      if (rounds < 1 || rounds > 100) {
+        std::fprintf(stderr, "mha_bench: --rounds must be 1 to 100, not '%s'\n", a.c_str() + 9);
+        return 2;
+      }
       continue;
     }
     if (a.rfind("--benchmark_out=", 0) == 0) json_out = true;
@@ -543,17 +615,54 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  std::set<std::string> names;
+  // The peers: started once, before any benchmark, so their versions go in the context.
+  std::unique_ptr<PeerServer> server;
+  if (!peers_command.empty()) {
+    server = std::make_unique<PeerServer>(peers_command);
+    if (!server->error().empty()) {
+      std::fprintf(stderr, "mha_bench: peers skipped: %s\n", server->error().c_str());
+    }
+    for (const std::string& why : server->skipped()) {
+      std::fprintf(stderr, "mha_bench: peer skipped: %s\n", why.c_str());
+      ctx("peer_skipped_" + why.substr(0, why.find(':')), why.substr(why.find(':') + 2));
+    }
+    for (const PeerInfo& peer : server->peers()) ctx(peer.name + "_version", peer.version);
+  }
+
+  // Shape by shape, so that kernels and peers of one shape are measured next to each other;
+  // with --rounds=N each shape's implementations run N times in turn (the same name N times
+  // in the output), so every ratio can come from neighbouring measurements.
+  std::set<std::string> shapes_seen;
   for (const Shape& s : all_shapes) {
-    for (const Impl& impl : impls) {
-      // naive is O(Lq Lk D) with poor locality: beyond 2048 it would take minutes a run.
-      if (impl.naive && s.q_len > 2048) continue;
-      const std::string name = s.name(impl.name);
-      if (!names.insert(name).second) continue;
-      benchmark::RegisterBenchmark(
-          name.c_str(), [impl, s](benchmark::State& st) { run_benchmark(st, impl, s, probe); })
-          ->UseRealTime()
-          ->Unit(benchmark::kMillisecond);
+    if (!shapes_seen.insert(s.name("")).second) continue;
+    std::vector<std::string> peers;
+    if (server) {
+      const mha::Problem p = workspace_problem(s);
+      for (const PeerInfo& peer : server->peers()) {
+        std::string why;
+        if (server->supports(peer.name, p, &why)) peers.push_back(peer.name);
+      }
+    }
+    for (int r = 0; r < rounds; ++r) {
+      for (const Impl& impl : impls) {
+        // naive is O(Lq Lk D) with poor locality: beyond 2048 it would take minutes a run.
+        if (impl.naive && s.q_len > 2048) continue;
+        benchmark::RegisterBenchmark(s.name(impl.name).c_str(),
+                                     [impl, s](benchmark::State& st) {
+                                       progress(s.family);
+                                       run_benchmark(st, impl, s, probe);
+                                     })
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+      for (const std::string& peer : peers) {
+        PeerServer* srv = server.get();
+        benchmark::RegisterBenchmark(
+            s.name(peer).c_str(),
+            [srv, peer, s](benchmark::State& st) { run_peer_benchmark(st, *srv, peer, s, probe); })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
+      }
     }
   }
 

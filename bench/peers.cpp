@@ -1,0 +1,189 @@
+#include "peers.h"
+
+#include <sys/mman.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <sstream>
+
+namespace mha::bench {
+
+namespace {
+
+struct Mapping {
+  int fd;
+  std::size_t bytes;
+};
+
+// Never destroyed: static tensors (the benchmarks' Workspace) are freed at exit, after
+// every ordinary static is gone.
+std::mutex& mappings_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::map<const void*, Mapping>& mappings() {
+  static auto* m = new std::map<const void*, Mapping>;
+  return *m;
+}
+
+std::string problem_fields(const Problem& p) {
+  std::ostringstream os;
+  os.precision(17);
+  const auto strides = [&os](const char* name, const Strides& s) {
+    os << " " << name << "_strides=" << s.batch << "," << s.seq << "," << s.head;
+  };
+  os << "batch=" << p.batch << " q_len=" << p.q_len << " kv_len=" << p.kv_len
+     << " q_heads=" << p.q_heads << " kv_heads=" << p.kv_heads << " head_dim=" << p.head_dim
+     << " causal=" << (p.causal ? 1 : 0) << " scale=" << p.scale;
+  strides("q", p.q);
+  strides("k", p.k);
+  strides("v", p.v);
+  strides("o", p.o);
+  return os.str();
+}
+
+std::string paths(const std::vector<const float*>& tensors) {
+  std::string out;
+  for (const float* t : tensors) out += (out.empty() ? "" : ",") + shared_path(t);
+  return out;
+}
+
+// "ok 0.0123" -> 0.0123; anything else -> -1 with `why` the reply after its first word.
+double seconds_from(const std::string& reply, std::string* why) {
+  if (reply.rfind("ok ", 0) == 0) return std::strtod(reply.c_str() + 3, nullptr);
+  const std::size_t space = reply.find(' ');
+  *why = reply.empty() ? "the peer server exited"
+                       : (space == std::string::npos ? reply : reply.substr(space + 1));
+  return -1.0;
+}
+
+}  // namespace
+
+void* shared_allocate(std::size_t bytes) {
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t size = (bytes + page - 1) / page * page + (bytes == 0 ? page : 0);
+  const int fd = memfd_create("mha-tensor", MFD_CLOEXEC);
+  if (fd < 0) throw std::bad_alloc();
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    throw std::bad_alloc();
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    throw std::bad_alloc();
+  }
+  std::lock_guard<std::mutex> lock(mappings_mutex());
+  mappings()[p] = {fd, size};
+  return p;
+}
+
+void shared_free(void* p) {
+  if (p == nullptr) return;
+  std::lock_guard<std::mutex> lock(mappings_mutex());
+  const auto it = mappings().find(p);
+  if (it == mappings().end()) return;
+  munmap(p, it->second.bytes);
+  close(it->second.fd);
+  mappings().erase(it);
+}
+
+std::string shared_path(const void* p) {
+  std::lock_guard<std::mutex> lock(mappings_mutex());
+  const auto it = mappings().find(p);
+  if (it == mappings().end()) return std::string();
+  return "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(it->second.fd);
+}
+
+PeerServer::PeerServer(const std::string& command) {
+  int in[2], out[2];  // in: we write, the child reads; out: the child writes, we read
+  if (pipe(in) != 0 || pipe(out) != 0) {
+    error_ = std::string("pipe: ") + std::strerror(errno);
+    return;
+  }
+  std::fflush(nullptr);
+  pid_ = fork();
+  if (pid_ < 0) {
+    error_ = std::string("fork: ") + std::strerror(errno);
+    return;
+  }
+  if (pid_ == 0) {
+    dup2(in[0], STDIN_FILENO);
+    dup2(out[1], STDOUT_FILENO);
+    close(in[0]);
+    close(in[1]);
+    close(out[0]);
+    close(out[1]);
+    execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  to_ = fdopen(in[1], "w");
+  from_ = fdopen(out[0], "r");
+  // A server that dies must not kill us with SIGPIPE on the next request.
+  std::signal(SIGPIPE, SIG_IGN);
+  for (;;) {
+    const std::string line = request("");
+    if (line.empty()) {
+      error_ = "the peer server exited before it was ready (command: " + command + ")";
+      peers_.clear();
+      return;
+    }
+    std::istringstream is(line);
+    std::string word, name;
+    is >> word >> name;
+    if (word == "ready") return;
+    std::string rest;
+    std::getline(is >> std::ws, rest);
+    if (word == "peer") peers_.push_back({name, rest});
+    if (word == "skip") skipped_.push_back(name + ": " + rest);
+  }
+}
+
+PeerServer::~PeerServer() {
+  if (to_ != nullptr) std::fclose(to_);  // EOF on its input: the server exits
+  if (from_ != nullptr) std::fclose(from_);
+  if (pid_ > 0) waitpid(pid_, nullptr, 0);
+}
+
+std::string PeerServer::request(const std::string& line) {
+  if (to_ == nullptr || from_ == nullptr) return std::string();
+  if (!line.empty()) {
+    if (std::fputs((line + "\n").c_str(), to_) < 0 || std::fflush(to_) != 0) return std::string();
+  }
+  std::string reply;
+  for (int c; (c = std::fgetc(from_)) != EOF && c != '\n';) reply += static_cast<char>(c);
+  return reply;
+}
+
+bool PeerServer::supports(const std::string& peer, const Problem& p, std::string* why) {
+  const std::string reply = request("supports " + peer + " " + problem_fields(p));
+  if (reply == "yes") return true;
+  *why = reply.rfind("no ", 0) == 0 ? reply.substr(3) : "the peer server did not answer";
+  return false;
+}
+
+double PeerServer::prepare(const std::string& peer, const Problem& p, int threads,
+                           const std::vector<const float*>& q, const std::vector<const float*>& k,
+                           const std::vector<const float*>& v, float* o, std::string* why) {
+  std::ostringstream os;
+  os << "prepare " << peer << " " << problem_fields(p) << " threads=" << threads
+     << " q=" << paths(q) << " k=" << paths(k) << " v=" << paths(v) << " o=" << shared_path(o);
+  return seconds_from(request(os.str()), why);
+}
+
+double PeerServer::run(long long n, std::string* why) {
+  return seconds_from(request("run " + std::to_string(n)), why);
+}
+
+void PeerServer::release() { request("release"); }
+
+}  // namespace mha::bench

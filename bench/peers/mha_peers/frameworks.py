@@ -1,0 +1,313 @@
+"""The framework peers: what a user would call instead of an mha kernel, each given its best
+honest call on the problem.
+
+Every peer reads the problem's own tensors in place where its API accepts them as they lie
+(dense token-major or head-major buffers, as mha_bench gives them); only layouts a framework
+cannot take (padded or broadcast strides, which the benchmarks never use) are copied, once,
+when the peer is prepared. A call computes the peer's output in its own layout; ``prepare``
+copies the first call's output into the problem's o tensor for mha_bench to check, and the
+timed calls leave it where the framework put it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Callable
+
+import numpy as np
+
+from .problem import Mask, Problem, Tensors, as_head_major, as_token_major, is_head_major
+
+Call = Callable[[int], None]  # runs the peer once on copy c
+
+
+class Peer:
+    """One framework operator. Subclasses set ``name`` and ``package``."""
+
+    name = ""
+    package = ""
+
+    def version(self) -> str:
+        return f"{self.package}-{importlib.metadata.version(self.package)}"
+
+    def load(self) -> None:
+        """Imports the framework; raises ImportError (or any error) when it cannot."""
+
+    def why_unsupported(self, p: Problem) -> str | None:
+        return p.why_unsupported()
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        """Builds the peer's session for the problem; returns the call to time."""
+        raise NotImplementedError
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        """Copies the output of the last call into t.o ([B, Lq, H, D])."""
+        raise NotImplementedError
+
+
+class TorchSdpa(Peer):
+    """torch.nn.functional.scaled_dot_product_attention on [B, H, L, D] views of the
+    tensors (no copy), enable_gqa for Hkv < H; bottom-right causal with q_len != kv_len
+    through a boolean mask, since is_causal aligns top-left."""
+
+    name = "peer-torch-sdpa"
+    package = "torch"
+
+    def load(self) -> None:
+        import torch
+
+        if torch.get_num_interop_threads() != 1:  # settable once, before any parallel work
+            torch.set_num_interop_threads(1)
+        self.torch = torch
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        torch = self.torch
+        torch.set_num_threads(threads)
+        heads_first = [
+            [torch.from_numpy(x).permute(0, 2, 1, 3) for x in xs] for xs in (t.q, t.k, t.v)
+        ]
+        mask = torch.from_numpy(p.visible()) if p.mask is Mask.EXPLICIT else None
+        self.out = None
+
+        def call(c: int) -> None:
+            q, k, v = (xs[c % len(xs)] for xs in heads_first)
+            with torch.inference_mode():
+                self.out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=p.mask is Mask.CAUSAL, scale=p.scale,
+                    enable_gqa=p.kv_heads != p.q_heads)
+
+        return call
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        t.o[...] = self.out.permute(0, 2, 1, 3).numpy()
+
+
+class _Ort(Peer):
+    package = "onnxruntime"
+
+    def load(self) -> None:
+        import onnx  # noqa: F401  (the models are built with onnx.helper)
+        import onnxruntime
+
+        self.ort = onnxruntime
+
+    def version(self) -> str:
+        return (f"onnxruntime-{importlib.metadata.version('onnxruntime')}"
+                f"+onnx-{importlib.metadata.version('onnx')}")
+
+    def session(self, model: object, threads: int) -> object:
+        so = self.ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = self.ort.ExecutionMode.ORT_SEQUENTIAL
+        return self.ort.InferenceSession(model.SerializeToString(), so,
+                                         providers=["CPUExecutionProvider"])
+
+    def value(self, x: np.ndarray) -> object:
+        """An OrtValue on the array's own memory (no copy)."""
+        return self.ort.OrtValue.ortvalue_from_numpy(x)
+
+
+class OrtAttention(_Ort):
+    """ONNX's Attention operator (opset 23) in ONNX Runtime's CPU provider: 3D token-major
+    inputs [B, L, H*D] for prefill, 4D head-major [B, H, L, D] when the KV cache is
+    head-major (decode); q_num_heads/kv_num_heads for GQA; is_causal (top-left) when
+    q_len == kv_len, a boolean mask for bottom-right causal otherwise."""
+
+    name = "peer-ort-attention"
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        from onnx import TensorProto, helper
+
+        four_d = is_head_major(t.k[0]) or is_head_major(t.v[0])
+        if four_d:
+            inputs = [[as_head_major(x) for x in xs] for xs in (t.q, t.k, t.v)]
+        else:
+            inputs = [[as_token_major(x).reshape(x.shape[0], x.shape[1], -1) for x in xs]
+                      for xs in (t.q, t.k, t.v)]
+        names = ["Q", "K", "V"]
+        feeds = [[self.value(x) for x in xs] for xs in inputs]
+        if p.mask is Mask.EXPLICIT:
+            names.append("attn_mask")
+            feeds.append([self.value(p.visible())])
+        attrs = dict(q_num_heads=p.q_heads, kv_num_heads=p.kv_heads, scale=p.scale,
+                     is_causal=int(p.mask is Mask.CAUSAL))
+        graph_inputs = [
+            helper.make_tensor_value_info(n, TensorProto.BOOL if n == "attn_mask"
+                                          else TensorProto.FLOAT, list(f[0].shape()))
+            for n, f in zip(names, feeds)
+        ]
+        graph = helper.make_graph(
+            [helper.make_node("Attention", names, ["O"], **attrs)], "attention", graph_inputs,
+            [helper.make_tensor_value_info("O", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+        session = self.session(model, threads)
+        shape = ((p.batch, p.q_heads, p.q_len, p.head_dim) if four_d
+                 else (p.batch, p.q_len, p.q_heads * p.head_dim))
+        self.out = np.empty(shape, dtype=np.float32)
+        self.four_d = four_d
+        bindings = []
+        for c in range(t.copies):
+            io = session.io_binding()
+            for n, f in zip(names, feeds):
+                io.bind_ortvalue_input(n, f[c % len(f)])
+            io.bind_ortvalue_output("O", self.value(self.out))
+            bindings.append(io)
+        return lambda c: session.run_with_iobinding(bindings[c % len(bindings)])
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        if self.four_d:
+            t.o[...] = self.out.transpose(0, 2, 1, 3)
+        else:
+            t.o[...] = self.out.reshape(t.o.shape)
+
+
+class OrtGqa(_Ort):
+    """ONNX Runtime's com.microsoft GroupQueryAttention, its fused operator for LLM
+    attention: always causal, bottom-right through the KV cache. Prefill (q_len == kv_len)
+    passes K and V token-major with an empty past; decode passes the head-major cache as
+    past_key/past_value with present_key/present_value bound to the same buffers (ONNX
+    Runtime's shared KV buffer, as generation loops run it), seqlens_k = kv_len - 1, and the
+    new tokens' K and V rows as key/value: the operator writes them back to the cache rows
+    they came from, so the cache is unchanged."""
+
+    name = "peer-ort-gqa"
+
+    def why_unsupported(self, p: Problem) -> str | None:
+        if not p.causal:
+            return "GroupQueryAttention is always causal"
+        return p.why_unsupported()
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        from onnx import TensorProto, helper
+
+        b, hkv, d = p.batch, p.kv_heads, p.head_dim
+        past_len = p.kv_len - p.q_len
+        q = [self.value(as_token_major(x).reshape(b, p.q_len, -1)) for x in t.q]
+        if past_len == 0:
+            new_k = [self.value(as_token_major(x).reshape(b, p.q_len, -1)) for x in t.k]
+            new_v = [self.value(as_token_major(x).reshape(b, p.q_len, -1)) for x in t.v]
+            empty = self.value(np.zeros((b, hkv, 0, d), dtype=np.float32))
+            past_k = past_v = [empty]
+            present_shape = (b, hkv, p.kv_len, d)
+            self.present = [np.empty(present_shape, dtype=np.float32) for _ in range(2)]
+            present_k = present_v = None
+        else:
+            caches_k = [as_head_major(x) for x in t.k]
+            caches_v = [as_head_major(x) for x in t.v]
+            new_k = [self.value(np.ascontiguousarray(x[:, past_len:].reshape(b, p.q_len, -1)))
+                     for x in t.k]
+            new_v = [self.value(np.ascontiguousarray(x[:, past_len:].reshape(b, p.q_len, -1)))
+                     for x in t.v]
+            past_k = [self.value(x) for x in caches_k]
+            past_v = [self.value(x) for x in caches_v]
+            present_k, present_v = past_k, past_v
+        seqlens = self.value(np.full((b,), p.kv_len - 1, dtype=np.int32))
+        total = self.value(np.array(p.kv_len, dtype=np.int32))
+
+        names = ["Q", "K", "V", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+        types = [TensorProto.FLOAT] * 5 + [TensorProto.INT32] * 2
+        shapes = [[b, None, p.q_heads * d], [b, None, hkv * d], [b, None, hkv * d],
+                  [b, hkv, None, d], [b, hkv, None, d], [b], []]
+        node = helper.make_node(
+            "GroupQueryAttention", names, ["O", "present_key", "present_value"],
+            domain="com.microsoft", num_heads=p.q_heads, kv_num_heads=hkv, scale=p.scale)
+        graph = helper.make_graph(
+            [node], "gqa",
+            [helper.make_tensor_value_info(n, ty, s) for n, ty, s in zip(names, types, shapes)],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+             for n in ("O", "present_key", "present_value")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        session = self.session(model, threads)
+        self.out = np.empty((b, p.q_len, p.q_heads * d), dtype=np.float32)
+        bindings = []
+        for c in range(t.copies):
+            io = session.io_binding()
+            for n, f in zip(names, [q, new_k, new_v, past_k, past_v, [seqlens], [total]]):
+                io.bind_ortvalue_input(n, f[c % len(f)])
+            io.bind_ortvalue_output("O", self.value(self.out))
+            if present_k is None:
+                io.bind_ortvalue_output("present_key", self.value(self.present[0]))
+                io.bind_ortvalue_output("present_value", self.value(self.present[1]))
+            else:
+                io.bind_ortvalue_output("present_key", present_k[c % len(present_k)])
+                io.bind_ortvalue_output("present_value", present_v[c % len(present_v)])
+            bindings.append(io)
+        return lambda c: session.run_with_iobinding(bindings[c % len(bindings)])
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        t.o[...] = self.out.reshape(t.o.shape)
+
+
+class OpenVinoSdpa(Peer):
+    """OpenVINO's opset13 ScaledDotProductAttention on its CPU plugin, f32 precision hint:
+    Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D] (broadcast over the g query heads
+    of a group), the reshapes and transposes from the tensors' layouts inside the model,
+    causal (top-left) when q_len == kv_len, a boolean mask otherwise."""
+
+    name = "peer-openvino-sdpa"
+    package = "openvino"
+
+    def load(self) -> None:
+        import openvino
+        import openvino.opset13
+
+        self.ov = openvino
+        self.ops = openvino.opset13
+        self.core = openvino.Core()
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        ov, ops = self.ov, self.ops
+        b, h, hkv, g, d = p.batch, p.q_heads, p.kv_heads, p.group, p.head_dim
+        q_in = [as_token_major(x) for x in t.q]
+        q_param = ops.parameter([b, p.q_len, h, d], np.float32)
+        q5 = ops.transpose(ops.reshape(q_param, [b, p.q_len, hkv, g, d], False), [0, 2, 3, 1, 4])
+
+        def kv(xs: list[np.ndarray]) -> tuple[list[np.ndarray], object, object]:
+            if is_head_major(xs[0]):
+                arrays = [as_head_major(x) for x in xs]
+                param = ops.parameter([b, hkv, p.kv_len, d], np.float32)
+                return arrays, param, ops.unsqueeze(param, 2)
+            arrays = [as_token_major(x) for x in xs]
+            param = ops.parameter([b, p.kv_len, hkv, d], np.float32)
+            return arrays, param, ops.unsqueeze(ops.transpose(param, [0, 2, 1, 3]), 2)
+
+        k_in, k_param, k5 = kv(t.k)
+        v_in, v_param, v5 = kv(t.v)
+        params = [q_param, k_param, v_param]
+        arrays = [q_in, k_in, v_in]
+        scale = ops.constant(np.float32(p.scale))
+        if p.mask is Mask.EXPLICIT:
+            mask_param = ops.parameter([p.q_len, p.kv_len], bool)
+            params.append(mask_param)
+            arrays.append([np.ascontiguousarray(p.visible())])
+            out = ops.scaled_dot_product_attention(q5, k5, v5, mask_param, scale, causal=False)
+        else:
+            zero = ops.constant(np.zeros((1, 1), dtype=np.float32))
+            out = ops.scaled_dot_product_attention(q5, k5, v5, zero, scale,
+                                                   causal=p.mask is Mask.CAUSAL)
+        model = ov.Model([out], params, "sdpa")
+        compiled = self.core.compile_model(model, "CPU", {
+            "INFERENCE_PRECISION_HINT": "f32",
+            "INFERENCE_NUM_THREADS": threads,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+        })
+        request = compiled.create_infer_request()
+        tensors = [[ov.Tensor(a, shared_memory=True) for a in xs] for xs in arrays]
+        self.request = request
+
+        def call(c: int) -> None:
+            for i, xs in enumerate(tensors):
+                request.set_input_tensor(i, xs[c % len(xs)])
+            request.infer()
+
+        return call
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        out = self.request.get_output_tensor(0).data  # [B, Hkv, g, Lq, D]
+        t.o[...] = out.reshape(p.batch, p.q_heads, p.q_len, p.head_dim).transpose(0, 2, 1, 3)
+
+
+ALL: list[type[Peer]] = [TorchSdpa, OrtAttention, OrtGqa, OpenVinoSdpa]

@@ -1,0 +1,186 @@
+"""One attention problem as mha_bench describes it, and its tensors as numpy views.
+
+The fields and their meaning are those of ``mha::Problem`` (kernels/include/mha/attention.h):
+element strides ``(batch, seq, head)`` for q, k, v and o, the head_dim axis contiguous, and
+causal masking aligned bottom-right (query ``i`` sees keys ``j <= i + kv_len - q_len``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+Strides = tuple[int, int, int]
+
+_FLOAT = np.dtype(np.float32).itemsize
+
+
+class Mask(Enum):
+    """How a framework must be told which keys a query row sees."""
+
+    NONE = "none"  # every row sees every key: no mask at all
+    CAUSAL = "causal"  # the usual lower triangle (q_len == kv_len): the framework's own flag
+    EXPLICIT = "explicit"  # bottom-right causal with 1 < q_len != kv_len: a boolean mask
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    scale: float
+    q_strides: Strides
+    k_strides: Strides
+    v_strides: Strides
+    o_strides: Strides
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (g = H / Hkv)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def mask(self) -> Mask:
+        if not self.causal or self.q_len == 1:
+            return Mask.NONE  # a single query row sees the whole cache, bottom-right
+        if self.q_len == self.kv_len:
+            return Mask.CAUSAL  # top-left and bottom-right agree
+        return Mask.EXPLICIT
+
+    def visible(self) -> np.ndarray:
+        """[q_len, kv_len] booleans: True where query row i sees key j."""
+        rows = np.arange(self.q_len)[:, None]
+        cols = np.arange(self.kv_len)[None, :]
+        if not self.causal:
+            return np.ones((self.q_len, self.kv_len), dtype=bool)
+        return cols <= rows + (self.kv_len - self.q_len)
+
+    def why_unsupported(self) -> str | None:
+        """Why no framework can compute this problem as the project defines it, or None."""
+        if self.causal and self.q_len > self.kv_len:
+            return "causal with q_len > kv_len: rows that see no key are zeros here, NaN there"
+        return None
+
+    @staticmethod
+    def parse(fields: dict[str, str]) -> "Problem":
+        def strides(name: str) -> Strides:
+            b, s, h = (int(x) for x in fields[f"{name}_strides"].split(","))
+            return (b, s, h)
+
+        return Problem(
+            batch=int(fields["batch"]),
+            q_len=int(fields["q_len"]),
+            kv_len=int(fields["kv_len"]),
+            q_heads=int(fields["q_heads"]),
+            kv_heads=int(fields["kv_heads"]),
+            head_dim=int(fields["head_dim"]),
+            causal=fields["causal"] == "1",
+            scale=float(fields["scale"]),
+            q_strides=strides("q"),
+            k_strides=strides("k"),
+            v_strides=strides("v"),
+            o_strides=strides("o"),
+        )
+
+
+def dense_token_major(length: int, heads: int, dim: int) -> Strides:
+    """Strides of a dense [batch, length, heads, dim] tensor."""
+    return (length * heads * dim, heads * dim, dim)
+
+
+def dense_head_major(length: int, heads: int, dim: int) -> Strides:
+    """Strides of a dense [batch, heads, length, dim] tensor."""
+    return (heads * length * dim, dim, length * dim)
+
+
+def view(buffer: np.ndarray, batch: int, length: int, heads: int, dim: int, strides: Strides
+         ) -> np.ndarray:
+    """The [batch, length, heads, dim] view of a flat float32 buffer with element strides."""
+    b, s, h = strides
+    extent = (batch - 1) * b + (length - 1) * s + (heads - 1) * h + dim
+    if extent > buffer.size:
+        raise ValueError(f"tensor needs {extent} floats, its buffer holds {buffer.size}")
+    return np.lib.stride_tricks.as_strided(
+        buffer, shape=(batch, length, heads, dim),
+        strides=(b * _FLOAT, s * _FLOAT, h * _FLOAT, _FLOAT), writeable=buffer.flags.writeable)
+
+
+class SharedBuffers:
+    """Maps the memfd files mha_bench names (/proc/<pid>/fd/<n>), each once."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, np.ndarray] = {}
+
+    def get(self, path: str) -> np.ndarray:
+        if path not in self._maps:
+            with open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_WRITE)
+            self._maps[path] = np.frombuffer(m, dtype=np.float32)
+        return self._maps[path]
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
+@dataclass
+class Tensors:
+    """The problem's tensors as [batch, length, heads, dim] views: q, o and one k, v per copy."""
+
+    q: list[np.ndarray]
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    o: np.ndarray
+
+    @staticmethod
+    def from_buffers(p: Problem, q: list[np.ndarray], k: list[np.ndarray], v: list[np.ndarray],
+                     o: np.ndarray) -> "Tensors":
+        return Tensors(
+            q=[view(b, p.batch, p.q_len, p.q_heads, p.head_dim, p.q_strides) for b in q],
+            k=[view(b, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.k_strides) for b in k],
+            v=[view(b, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.v_strides) for b in v],
+            o=view(o, p.batch, p.q_len, p.q_heads, p.head_dim, p.o_strides),
+        )
+
+    @property
+    def copies(self) -> int:
+        return len(self.k)
+
+
+def as_token_major(x: np.ndarray) -> np.ndarray:
+    """x ([B, L, H, D] view) as a C-contiguous [B, L, H, D] array: the same memory when it
+    is laid out so, else a copy."""
+    return np.ascontiguousarray(x)
+
+
+def as_head_major(x: np.ndarray) -> np.ndarray:
+    """x ([B, L, H, D] view) as a C-contiguous [B, H, L, D] array: the same memory when it
+    is laid out so (or L == 1, where both layouts coincide), else a copy."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def is_head_major(x: np.ndarray) -> bool:
+    """Whether the [B, L, H, D] view x is a dense head-major tensor."""
+    return x.transpose(0, 2, 1, 3).flags.c_contiguous
+
+
+def attention(p: Problem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Attention in float64 straight from the formula, [B, Lq, H, D]: for the tests."""
+    g = p.group
+    qh = q.transpose(0, 2, 1, 3).astype(np.float64)
+    kh = np.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
+    vh = np.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
+    s = p.scale * (qh @ kh.transpose(0, 1, 3, 2))
+    s = np.where(p.visible(), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    w = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    w /= w.sum(axis=-1, keepdims=True)
+    return (w @ vh).transpose(0, 2, 1, 3)
