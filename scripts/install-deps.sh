@@ -11,7 +11,7 @@ PKGS=(
   libbenchmark-dev libbenchmark-tools             # benchmarks (compare.py)
   libxsimd-dev libhwy-dev                         # portable SIMD kernels
   libopenblas-dev libdnnl-dev                     # composed baselines
-  python3-scipy                                   # compare.py (Debian's python3)
+  python3-scipy python3-venv                      # compare.py; the reports' and peers' venv
   qemu-user                                       # emulated old x86-64 CPUs and aarch64
   clang-format                                    # style check
 )

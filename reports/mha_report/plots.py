@@ -1,0 +1,275 @@
+"""The report's figures: one question each, a title that states it, units on both axes, log
+scales where lengths span decades, the machine's limits drawn as lines, and kernels, composed
+baselines and framework peers in three visibly different styles (solid with filled circles,
+dotted with crosses, dashed with open squares)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+
+from .results import Results, Shape, is_kernel, is_peer  # noqa: E402
+from .stats import Change  # noqa: E402
+
+_COLORS = plt.get_cmap("tab10").colors
+
+
+def _style(impl: str, index: int) -> dict:
+    color = _COLORS[index % len(_COLORS)]
+    if is_peer(impl):
+        return dict(color=color, linestyle="--", marker="s", markerfacecolor="white",
+                    linewidth=1.6)
+    if is_kernel(impl):
+        return dict(color=color, linestyle="-", marker="o", linewidth=2.2)
+    return dict(color=color, linestyle=":", marker="x", linewidth=1.6)
+
+
+def _limit(ax: Axes, y: float | None, text: str) -> None:
+    if y:
+        ax.axhline(y, color="black", linewidth=1.0, linestyle=(0, (6, 3)), alpha=0.7)
+        ax.annotate(text, (0.005, y), xycoords=("axes fraction", "data"), fontsize=8,
+                    va="bottom", ha="left", alpha=0.8)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _series(results: Results, shapes: list[Shape], x: Callable[[Shape], float],
+            y: Callable[[Shape, str], float | None]) -> dict[str, tuple[list[float], list[float]]]:
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for impl in results.impls():
+        xs, ys = [], []
+        for s in sorted(shapes, key=x):
+            v = y(s, impl)
+            if v is not None:
+                xs.append(x(s))
+                ys.append(v)
+        if xs:
+            out[impl] = (xs, ys)
+    return out
+
+
+def _plot_series(ax: Axes, series: dict[str, tuple[list[float], list[float]]],
+                 order: list[str]) -> None:
+    for impl, (xs, ys) in series.items():
+        ax.plot(xs, ys, label=impl, **_style(impl, order.index(impl)))
+
+
+def _legend(fig: plt.Figure, ax: Axes) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", fontsize=8, frameon=False)
+
+
+def _common(shapes: list[Shape], key: Callable[[Shape], tuple]) -> tuple | None:
+    """The most frequent value of key over the shapes (the sweep's fixed parameters)."""
+    counts = Counter(key(s) for s in shapes)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _cpu(results: Results) -> str:
+    return results.context.get("mha_cpu_model", "unknown CPU")
+
+
+def prefill_vs_length(results: Results, path: Path) -> Path | None:
+    """Does throughput hold up as the sequence grows? GFLOP/s against L, causal and not."""
+    shapes = [s for s in results.shapes()
+              if s.family == "prefill" and s.q_len == s.kv_len and s.threads == 1]
+    fixed = _common(shapes, lambda s: (s.heads, s.kv_heads, s.dim))
+    if fixed is None:
+        return None
+    shapes = [s for s in shapes if (s.heads, s.kv_heads, s.dim) == fixed]
+    if len({s.q_len for s in shapes}) < 2:
+        return None
+    order = results.impls()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True, layout="constrained")
+    for ax, causal in zip(axes, (False, True)):
+        sel = [s for s in shapes if s.causal == causal]
+        _plot_series(ax, _series(results, sel, lambda s: s.q_len,
+                                 lambda s, i: _median(results.counter(s, i, "GFLOPS"))), order)
+        _limit(ax, results.context_float("probe_fma_gflops_1t"),
+               f"FMA peak ({results.context.get('probe_fma_isa', '')}, 1 core)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L = Lq = Lk (tokens)")
+        ax.set_title("causal (visible pairs counted)" if causal else "not causal")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GFLOP/s")
+    h, hkv, d = fixed
+    fig.suptitle(f"Prefill throughput against sequence length (H={h} Hkv={hkv} D={d}, "
+                 f"1 thread, {_cpu(results)})")
+    _legend(fig, axes[0])
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def decode_vs_length(results: Results, path: Path) -> Path | None:
+    """Does a decode step stream the KV cache at the memory's speed, at every cache size?"""
+    shapes = [s for s in results.shapes() if s.family == "decode" and s.threads == 1]
+    fixed = _common(shapes, lambda s: (s.heads, s.kv_heads, s.dim))
+    if fixed is None:
+        return None
+    shapes = [s for s in shapes if (s.heads, s.kv_heads, s.dim) == fixed]
+    if len({s.kv_len for s in shapes}) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 4.8), layout="constrained")
+    _plot_series(ax, _series(results, shapes, lambda s: s.kv_bytes() / 2**20,
+                             lambda s, i: _median(results.counter(s, i, "GBps"))),
+                 results.impls())
+    for level in ("l2", "l3", "dram"):
+        _limit(ax, results.context_float(f"probe_{level}_gbps_1t"),
+               f"{level.upper()} read bandwidth (1 core)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache read per step (MiB)")
+    ax.set_ylabel("KV cache bytes per second (GB/s)")
+    ax.grid(True, which="both", alpha=0.3)
+    h, hkv, d = fixed
+    ax.set_title(f"Decode: KV-cache read rate against cache size (H={h} Hkv={hkv} D={d}, "
+                 f"1 thread, {_cpu(results)})")
+    _legend(fig, ax)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def decode_vs_kv_heads(results: Results, path: Path) -> Path | None:
+    """What does sharing KV heads buy? Time per decode step against Hkv, beside the cache."""
+    shapes = [s for s in results.shapes() if s.family == "decode" and s.threads == 1]
+    fixed = _common(shapes, lambda s: (s.heads, s.kv_len, s.dim))
+    if fixed is None:
+        return None
+    shapes = [s for s in shapes if (s.heads, s.kv_len, s.dim) == fixed]
+    if len({s.kv_heads for s in shapes}) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 4.8), layout="constrained")
+    kv = {s.kv_heads: s.kv_bytes() / 2**20 for s in shapes}
+    ax2 = ax.twinx()
+    xs = sorted(kv, reverse=True)
+    ax2.bar(range(len(xs)), [kv[x] for x in xs], color="0.85", width=0.5, zorder=0,
+            label="KV cache (MiB, right axis)")
+    ax2.set_ylabel("KV cache per sequence (MiB)")
+    ax.set_zorder(ax2.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    position = {x: i for i, x in enumerate(xs)}
+    _plot_series(ax, _series(results, shapes, lambda s: position[s.kv_heads],
+                             lambda s, i: _median([t * 1e3 for t in results.times(s, i)])),
+                 results.impls())
+    h, lk, d = fixed
+    ax.set_xticks(range(len(xs)),
+                  [f"Hkv={x}\n{'MHA' if x == h else ('MQA' if x == 1 else f'GQA g={h // x}')}"
+                   for x in xs])
+    ax.set_yscale("log")
+    ax.set_ylabel("time per decode step (ms, log)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.set_title(f"Decode: time per step as query heads share KV heads (H={h} Lk={lk} D={d}, "
+                 f"1 thread, {_cpu(results)})")
+    _legend(fig, ax)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def heads_sweep(results: Results, path: Path) -> Path | None:
+    """At a fixed model width d = H D the work is the same: does the time stay flat in H?"""
+    shapes = [s for s in results.shapes() if s.family == "heads" and s.threads == 1]
+    fixed = _common(shapes, lambda s: (s.heads * s.dim, s.q_len))
+    if fixed is None:
+        return None
+    shapes = [s for s in shapes if (s.heads * s.dim, s.q_len) == fixed]
+    if len(shapes) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 4.8), layout="constrained")
+    _plot_series(ax, _series(results, shapes, lambda s: s.heads,
+                             lambda s, i: _median([t * 1e3 for t in results.times(s, i)])),
+                 results.impls())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({s.heads for s in shapes}),
+                  [f"H={s.heads}\nD={s.dim}" for s in sorted(shapes, key=lambda s: s.heads)])
+    ax.set_xlabel("heads H (head width D = d / H)")
+    ax.set_ylabel("time per call (ms, log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"Head sweep at fixed model width d={fixed[0]}, L={fixed[1]}: same FLOPs, "
+                 f"1 thread, {_cpu(results)}")
+    _legend(fig, ax)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def roofline(results: Results, path: Path) -> Path | None:
+    """How close is every result to the roof of its arithmetic intensity?"""
+    shapes = [s for s in results.shapes() if s.threads == 1]
+    if not shapes:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 5.2), layout="constrained")
+    order = results.impls()
+    everywhere: list[float] = []
+    for impl in order:
+        xs, ys = [], []
+        for s in shapes:
+            g = _median(results.counter(s, impl, "GFLOPS"))
+            if g:
+                flops_per_call = g * 1e9 * _median(results.times(s, impl))
+                xs.append(flops_per_call / s.io_bytes())
+                ys.append(g)
+        everywhere += xs
+        if xs:
+            st = _style(impl, order.index(impl))
+            st["linestyle"] = "none"
+            ax.plot(xs, ys, label=impl, **st)
+    if not everywhere:
+        plt.close(fig)
+        return None
+    peak = results.context_float("probe_fma_gflops_1t")
+    lo, hi = min(everywhere) / 3, max(everywhere) * 3
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    for level, style in (("dram", "-"), ("l2", "--")):
+        bw = results.context_float(f"probe_{level}_gbps_1t")
+        if bw and peak:
+            ax.plot(grid, [min(peak, bw * x) for x in grid], color="black", linestyle=style,
+                    linewidth=1.0, alpha=0.7, label=f"roof: FMA peak, {level.upper()} {bw:.0f} GB/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of unique q, k, v, o)")
+    ax.set_ylabel("GFLOP/s (log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"Roofline: every 1-thread result under the measured roofs ({_cpu(results)})")
+    _legend(fig, ax)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def comparison(changes: list[Change], path: Path, old: str, new: str) -> Path | None:
+    """Which benchmarks got slower or faster between two runs, and is it more than noise?"""
+    if not changes:
+        return None
+    changes = sorted(changes, key=lambda c: c.ratio)
+    colors = {"regression": "tab:red", "improvement": "tab:green", "same": "0.6",
+              "untested": "0.85"}
+    height = max(3.0, 0.22 * len(changes) + 1.2)
+    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
+    ax.barh(range(len(changes)), [c.ratio - 1 for c in changes], left=1,
+            color=[colors[c.verdict] for c in changes])
+    ax.set_yticks(range(len(changes)), [c.name.replace("/real_time", "").replace(
+        "/manual_time", "") for c in changes], fontsize=6)
+    ax.axvline(1, color="black", linewidth=1)
+    ax.set_xlabel(f"time ratio {new} / {old} (> 1: slower)")
+    for verdict, color in colors.items():
+        ax.barh([], [], color=color, label=verdict)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Change per benchmark between two runs (U test at alpha 0.05, 5 % threshold)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

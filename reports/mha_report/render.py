@@ -1,0 +1,258 @@
+"""The report itself: Markdown with PNG plots beside it, and one self-contained HTML page
+(plots embedded) with the same content."""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import plots
+from .results import Results, Shape, is_kernel, is_peer
+from .stats import Change, Headline, Row, Spread, compare, headlines, shape_rows
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.header) + " |",
+                 "| " + " | ".join("---" for _ in self.header) + " |"]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+    def text(self) -> str:
+        """Aligned plain text, for the terminal."""
+        cells = [self.header] + self.rows
+        widths = [max(len(_plain(r[i])) for r in cells) for i in range(len(self.header))]
+        return "\n".join("  ".join(_plain(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                         for r in cells)
+
+    def html(self) -> str:
+        head = "".join(f"<th>{html.escape(_plain(h))}</th>" for h in self.header)
+        body = "".join("<tr>" + "".join(f"<td>{_html_cell(c)}</td>" for c in r) + "</tr>"
+                       for r in self.rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _plain(cell: str) -> str:
+    return cell.replace("**", "").replace("`", "")
+
+
+def _html_cell(cell: str) -> str:
+    escaped = html.escape(cell)
+    escaped = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", escaped)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", escaped)
+
+
+@dataclass
+class Report:
+    title: str
+    blocks: list[tuple[str, object]] = field(default_factory=list)  # (kind, content)
+
+    def heading(self, text: str, level: int = 2) -> None:
+        self.blocks.append(("heading", (level, text)))
+
+    def para(self, text: str) -> None:
+        self.blocks.append(("para", text))
+
+    def table(self, t: Table) -> None:
+        self.blocks.append(("table", t))
+
+    def image(self, path: Path, alt: str) -> None:
+        self.blocks.append(("image", (path, alt)))
+
+    def markdown(self) -> str:
+        out = [f"# {self.title}", ""]
+        for kind, content in self.blocks:
+            if kind == "heading":
+                level, text = content
+                out += ["#" * level + " " + text, ""]
+            elif kind == "para":
+                out += [str(content), ""]
+            elif kind == "table":
+                out += [content.markdown(), ""]
+            elif kind == "image":
+                path, alt = content
+                out += [f"![{alt}]({path.name})", ""]
+        return "\n".join(out)
+
+    def html(self) -> str:
+        parts = [f"<h1>{html.escape(self.title)}</h1>"]
+        for kind, content in self.blocks:
+            if kind == "heading":
+                level, text = content
+                parts.append(f"<h{level}>{html.escape(text)}</h{level}>")
+            elif kind == "para":
+                parts.append(f"<p>{_html_cell(str(content))}</p>")
+            elif kind == "table":
+                parts.append(content.html())
+            elif kind == "image":
+                path, alt = content
+                data = base64.b64encode(path.read_bytes()).decode("ascii")
+                parts.append(f'<p><img alt="{html.escape(alt)}" '
+                             f'src="data:image/png;base64,{data}"></p>')
+        style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
+                 "table{border-collapse:collapse;margin:1em 0;font-size:13px}"
+                 "th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+                 "th:first-child,td:first-child{text-align:left}img{max-width:100%}"
+                 "code{background:#f4f4f4}")
+        return (f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
+                f"<title>{html.escape(self.title)}</title><style>{style}</style></head>"
+                f"<body>{''.join(parts)}</body></html>")
+
+
+def _fmt(s: Spread | None, digits: int = 2) -> str:
+    return s.text(digits) if s else ""
+
+
+def _speedup(s: Spread | None) -> str:
+    if s is None:
+        return ""
+    text = s.text(2) + "x"
+    return f"**{text}**" if s.median >= 1 else text
+
+
+def machine_table(r: Results) -> Table:
+    c = r.context
+    rows = [
+        ["CPU", c.get("mha_cpu_model", "?")],
+        ["cores used", c.get("mha_cores", "?")],
+        ["best kernel (ISA)", f"{c.get('mha_best_kernel', '?')} ({c.get('mha_best_isa', '?')})"],
+        ["FMA peak, 1 core / all (GFLOP/s)",
+         f"{c.get('probe_fma_gflops_1t', '?')} / {c.get('probe_fma_gflops_all', '?')} "
+         f"({c.get('probe_fma_isa', '?')})"],
+    ]
+    for level in ("l1", "l2", "l3", "dram"):
+        one, all_ = c.get(f"probe_{level}_gbps_1t"), c.get(f"probe_{level}_gbps_all")
+        if one:
+            rows.append([f"{level.upper()} read, 1 core / all (GB/s)", f"{one} / {all_}"])
+    caches = ", ".join(f"{n} {int(c[k]) // 1024} KiB" for n, k in
+                       (("L1d", "cache_l1d_bytes"), ("L2", "cache_l2_bytes"),
+                        ("L3", "cache_l3_bytes")) if c.get(k) and int(c[k]) > 0)
+    rows += [["caches", caches],
+             ["compiler", c.get("mha_compiler", "?")],
+             ["commit", f"`{c.get('mha_commit', '?')}`"],
+             ["date", c.get("date", "?")],
+             ["size", c.get("mha_size", "?")]]
+    for key in sorted(c):
+        if key.startswith("peer-") and key.endswith("_version"):
+            rows.append([key[: -len("_version")], c[key]])
+        if key.startswith("peer_skipped_"):
+            rows.append([key[len("peer_skipped_"):] + " (skipped)", c[key]])
+    return Table(["", ""], rows)
+
+
+def headline_table(hs: list[Headline]) -> Table:
+    rows = []
+    for h in hs:
+        rows.append([h.shape.family, h.shape.label(), f"`{h.kernel}`", f"{h.kernel_ms:.3f}",
+                     f"`{h.peer}`" if h.peer else "", f"{h.peer_ms:.3f}" if h.peer_ms else "",
+                     _speedup(h.speedup)])
+    return Table(["family", "shape", "best kernel", "ms", "best peer", "ms",
+                  "speedup over best peer"], rows)
+
+
+def shape_table(rows: list[Row], decode: bool) -> Table:
+    header = ["implementation", "ms", "GFLOP/s", "of FMA peak"]
+    if decode:
+        header += ["GB/s", "of bandwidth"]
+    header += ["speedup over naive", "speedup over best peer"]
+    out = []
+    for r in rows:
+        kind = "peer" if is_peer(r.impl) else ("kernel" if is_kernel(r.impl) else "baseline")
+        cells = [f"`{r.impl}` ({kind})", _fmt(r.ms, 3), _fmt(r.gflops, 1), _fmt(r.peak_frac, 3)]
+        if decode:
+            cells += [_fmt(r.gbps, 1), _fmt(r.bw_frac, 3)]
+        cells += [_speedup(r.vs_naive), _speedup(r.vs_best_peer)]
+        out.append(cells)
+    return Table(header, out)
+
+
+def change_table(changes: list[Change]) -> Table:
+    rows = [[f"`{c.name}`", f"{c.old_ms:.3f}", f"{c.new_ms:.3f}", f"{c.ratio:.3f}",
+             "" if c.pvalue is None else f"{c.pvalue:.4f}",
+             f"**{c.verdict}**" if c.verdict == "regression" else c.verdict]
+            for c in sorted(changes, key=lambda c: -c.ratio)]
+    return Table(["benchmark", "old ms", "new ms", "new / old", "U-test p", "verdict"], rows)
+
+
+def build(results: Results, out: Path, baseline: Results | None = None) -> Report:
+    """Writes the plots into `out` and returns the report (also written by write())."""
+    cpu = results.context.get("mha_cpu_model", "unknown CPU")
+    report = Report(f"mha benchmark report: {cpu}")
+    rounds = max((len(results.times(s, i)) for s in results.shapes() for i in results.impls()),
+                 default=0)
+    report.para(
+        f"Commit `{results.context.get('mha_commit', '?')}`, size "
+        f"`{results.context.get('mha_size', '?')}`, {rounds} round(s) per shape. Times are "
+        "medians over rounds; a range [low, high] follows when there were several. Every "
+        "speedup is a ratio of the two implementations' times in the same round (measured next "
+        "to each other), its median and range over the rounds. Kernels are this project's; "
+        "`composed-*` are baselines built from a BLAS sgemm; `peer-*` are framework operators "
+        "timed on the same tensors in their own process.")
+    report.heading("Machine")
+    report.table(machine_table(results))
+
+    errors = results.errors()
+    if errors:
+        report.heading("Errors")
+        report.table(Table(["benchmark", "error"],
+                           [[f"`{e.shape.name(e.impl)}`", e.error] for e in errors]))
+
+    report.heading("Summary: the fastest kernel against the fastest peer")
+    report.table(headline_table(headlines(results)))
+
+    report.heading("Figures")
+    figures = [
+        (plots.prefill_vs_length, "prefill_vs_length.png", "prefill GFLOP/s against length"),
+        (plots.decode_vs_length, "decode_vs_length.png", "decode GB/s against cache size"),
+        (plots.decode_vs_kv_heads, "decode_vs_kv_heads.png", "decode time against Hkv"),
+        (plots.heads_sweep, "heads_sweep.png", "time against heads at fixed width"),
+        (plots.roofline, "roofline.png", "roofline"),
+    ]
+    for fn, name, alt in figures:
+        path = fn(results, out / name)
+        if path is not None:
+            report.image(path, alt)
+
+    if baseline is not None:
+        changes = compare(baseline, results)
+        report.heading("Against the baseline run")
+        flagged = [c for c in changes if c.verdict == "regression"]
+        report.para(f"Baseline: commit `{baseline.context.get('mha_commit', '?')}` "
+                    f"({baseline.source}). {len(flagged)} regression(s) of {len(changes)} "
+                    "benchmarks in both runs: median time up by more than 5 % with the "
+                    "Mann-Whitney U test (compare.py's) rejecting equal timings at p < 0.05.")
+        path = plots.comparison(changes, out / "comparison.png", "baseline", "this run")
+        if path is not None:
+            report.image(path, "change per benchmark")
+        report.table(change_table(changes))
+
+    report.heading("Every shape")
+    family = ""
+    for shape in results.shapes():
+        if shape.family != family:
+            family = shape.family
+            report.heading(family, 3)
+        report.para(f"**{shape.label()}**")
+        report.table(shape_table(shape_rows(results, shape), shape.family == "decode"))
+    return report
+
+
+def write(report: Report, out: Path) -> tuple[Path, Path]:
+    md, page = out / "report.md", out / "report.html"
+    md.write_text(report.markdown(), encoding="utf-8")
+    page.write_text(report.html(), encoding="utf-8")
+    return md, page
+
+
+def summary_text(results: Results) -> str:
+    return headline_table(headlines(results)).text()
+
+
+__all__ = ["build", "write", "summary_text", "Report", "Table", "Shape"]

@@ -1,0 +1,171 @@
+"""The numbers a report shows: medians over rounds, ratios from neighbouring measurements,
+and the comparison of two runs with the U test Google Benchmark's compare.py uses.
+
+Timings on shared machines drift by up to 30 % over minutes, so a ratio of two
+implementations is never a ratio of their medians from different moments: it is taken round
+by round (the k-th run of each, measured next to each other by mha_bench --rounds), and the
+report gives the median of those ratios with their range.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .results import Results, Shape, is_kernel, is_peer
+
+# Debian's libbenchmark-tools installs compare.py's statistics here; they are reused, not
+# rewritten (python3-scipy or the virtual environment's scipy provides mannwhitneyu).
+GBENCH_PATH = "/usr/share/benchmark"
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @staticmethod
+    def of(values: list[float]) -> "Spread | None":
+        if not values:
+            return None
+        return Spread(statistics.median(values), min(values), max(values), len(values))
+
+    def text(self, digits: int = 2) -> str:
+        if self.n == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
+
+
+def paired_ratios(results: Results, shape: Shape, slower: str, faster: str) -> list[float]:
+    """time(slower) / time(faster) round by round: > 1 when `faster` is faster."""
+    a, b = results.times(shape, slower), results.times(shape, faster)
+    return [x / y for x, y in zip(a, b) if y > 0]
+
+
+def median_time(results: Results, shape: Shape, impl: str) -> float | None:
+    times = results.times(shape, impl)
+    return statistics.median(times) if times else None
+
+
+def fastest(results: Results, shape: Shape, impls: list[str]) -> str | None:
+    timed = [(t, i) for i in impls if (t := median_time(results, shape, i)) is not None]
+    return min(timed)[1] if timed else None
+
+
+@dataclass
+class Row:
+    impl: str
+    ms: Spread
+    gflops: Spread | None
+    peak_frac: Spread | None
+    gbps: Spread | None
+    bw_frac: Spread | None
+    vs_naive: Spread | None  # time(naive) / time(impl), round by round
+    vs_best_peer: Spread | None  # time(best peer) / time(impl), round by round
+
+
+def shape_rows(results: Results, shape: Shape) -> list[Row]:
+    """Every implementation that ran this shape, fastest first."""
+    impls = [i for i in results.impls() if results.times(shape, i)]
+    best_peer = fastest(results, shape, [i for i in impls if is_peer(i)])
+    rows = []
+    for impl in impls:
+        c = lambda key: Spread.of(results.counter(shape, impl, key))  # noqa: E731
+        rows.append(Row(
+            impl=impl,
+            ms=Spread.of([t * 1e3 for t in results.times(shape, impl)]),
+            gflops=c("GFLOPS"), peak_frac=c("peak_frac"), gbps=c("GBps"), bw_frac=c("bw_frac"),
+            vs_naive=Spread.of(paired_ratios(results, shape, "naive", impl))
+            if "naive" in impls else None,
+            vs_best_peer=Spread.of(paired_ratios(results, shape, best_peer, impl))
+            if best_peer else None,
+        ))
+    rows.sort(key=lambda r: r.ms.median)
+    return rows
+
+
+@dataclass
+class Headline:
+    shape: Shape
+    kernel: str
+    kernel_ms: float
+    peer: str | None
+    peer_ms: float | None
+    speedup: Spread | None  # time(best peer) / time(best kernel), round by round
+
+
+def headlines(results: Results) -> list[Headline]:
+    """Per shape: the fastest kernel of this project against the fastest peer."""
+    out = []
+    for shape in results.shapes():
+        impls = [i for i in results.impls() if results.times(shape, i)]
+        kernel = fastest(results, shape, [i for i in impls if is_kernel(i)])
+        if kernel is None:
+            continue
+        peer = fastest(results, shape, [i for i in impls if is_peer(i)])
+        out.append(Headline(
+            shape, kernel, median_time(results, shape, kernel) * 1e3, peer,
+            median_time(results, shape, peer) * 1e3 if peer else None,
+            Spread.of(paired_ratios(results, shape, peer, kernel)) if peer else None))
+    return out
+
+
+@dataclass
+class Change:
+    name: str
+    old_ms: float
+    new_ms: float
+    ratio: float  # median new / old time: > 1 is slower
+    pvalue: float | None  # U test of the time samples, None below 2 repetitions a side
+    verdict: str  # "regression", "improvement", "same" or "untested"
+
+
+def compare(old: Results, new: Results, alpha: float = 0.05, threshold: float = 0.05
+            ) -> list[Change]:
+    """Every benchmark in both runs. A change is a regression (improvement) when the median
+    time rose (fell) by more than `threshold` and the U test rejects equal distributions at
+    `alpha`; below two repetitions on either side it is 'untested'."""
+    report = _gbench_report()
+    diff = report.get_difference_report(_iterations(old.raw), _iterations(new.raw), utest=True)
+    out = []
+    for entry in diff:
+        if entry["name"] == "OVERALL_GEOMEAN" or not entry["measurements"]:
+            continue
+        unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[entry["time_unit"]]
+        old_ms = statistics.median(m["real_time"] for m in entry["measurements"]) * unit
+        new_ms = statistics.median(m["real_time_other"] for m in entry["measurements"]) * unit
+        ratio = new_ms / old_ms if old_ms > 0 else float("inf")
+        pvalue = entry["utest"].get("time_pvalue") if entry["utest"] else None
+        if pvalue is None:
+            verdict = "untested"
+        elif pvalue < alpha and ratio > 1 + threshold:
+            verdict = "regression"
+        elif pvalue < alpha and ratio < 1 - threshold:
+            verdict = "improvement"
+        else:
+            verdict = "same"
+        out.append(Change(entry["name"], old_ms, new_ms, ratio, pvalue, verdict))
+    return out
+
+
+def _iterations(raw: dict[str, Any]) -> dict[str, Any]:
+    """Only the runs (no aggregates), without errored ones: what the U test should see."""
+    return {"context": raw.get("context", {}),
+            "benchmarks": [b for b in raw.get("benchmarks", [])
+                           if b.get("run_type", "iteration") == "iteration"
+                           and not b.get("error_occurred")]}
+
+
+def _gbench_report() -> Any:
+    if GBENCH_PATH not in sys.path:
+        sys.path.append(GBENCH_PATH)
+    try:
+        from gbench import report  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise RuntimeError(f"comparing runs needs Google Benchmark's tools in {GBENCH_PATH} "
+                           f"(Debian: libbenchmark-tools) and scipy: {e}") from e
+    return report

@@ -1,0 +1,162 @@
+"""The report generator on committed mha_bench results: fixtures/quick.json is a real
+`mha_bench --size=quick --rounds=5 --peers=...` run (kernels, composed baselines and the four
+framework peers; its CPU is in its context). The expected figures are recomputed here from
+the JSON itself, never typed in."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from mha_report import results as res
+from mha_report import stats
+from mha_report.__main__ import main
+from mha_report.render import build, summary_text, write
+
+FIXTURE = Path(__file__).parent / "fixtures" / "quick.json"
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def run(raw: dict) -> res.Results:
+    return res.parse(raw, str(FIXTURE))
+
+
+def iterations(raw: dict) -> list[dict]:
+    return [b for b in raw["benchmarks"] if b.get("run_type", "iteration") == "iteration"]
+
+
+def test_every_run_is_parsed_with_its_shape(raw: dict, run: res.Results) -> None:
+    assert len(run.runs) == len(iterations(raw))
+    names = {b["name"] for b in iterations(raw)}
+    assert {r.shape.name(r.impl) for r in run.runs} == {
+        n.replace("/real_time", "").replace("/manual_time", "") for n in names}
+    impls = run.impls()
+    assert {"naive", "blocked"} <= set(impls)
+    assert any(res.is_peer(i) for i in impls), "the fixture must hold peers"
+    decode = [r for r in run.runs if r.shape.family == "decode"]
+    assert decode and all("GBps" in r.counters for r in decode if not r.error)
+
+
+def test_the_name_grammar() -> None:
+    m = res.NAME.match("decode/peer-ort-gqa/B:1/H:32/Hkv:8/Lq:1/Lk:32768/D:128/causal:1/"
+                       "threads:2/manual_time")
+    assert m and m["impl"] == "peer-ort-gqa" and m["kv_len"] == "32768" and m["threads"] == "2"
+    assert res.NAME.match("prefill/avx2/B:1/H:32/Hkv:8/Lq:2048/Lk:2048/D:128/causal:0/threads:1")
+    assert res.NAME.match("BM_something/8") is None
+
+
+def test_aggregates_are_skipped_and_errors_kept(raw: dict) -> None:
+    data = copy.deepcopy(raw)
+    first = iterations(data)[0]
+    agg = dict(first, name=first["name"] + "_median", run_type="aggregate")
+    broken = dict(first, error_occurred=True, error_message="output differs")
+    data["benchmarks"] += [agg, broken]
+    r = res.parse(data)
+    assert len(r.runs) == len(iterations(raw)) + 1
+    assert [e.error for e in r.errors()] == ["output differs"]
+    assert len(r.times(r.runs[0].shape, r.runs[0].impl)) == len(
+        res.parse(raw).times(r.runs[0].shape, r.runs[0].impl))  # the error is not a time
+
+
+def test_rounds_pair_up_in_order(raw: dict, run: res.Results) -> None:
+    shape = run.shapes()[0]
+    peer = next(i for i in run.impls() if res.is_peer(i) and run.times(shape, i))
+    def seconds(impl: str) -> list[float]:
+        return [b["real_time"] * {"ms": 1e-3, "us": 1e-6, "ns": 1e-9}[b["time_unit"]]
+                for b in iterations(raw) if b["name"].startswith(shape.name(impl) + "/")]
+    want = [p / k for p, k in zip(seconds(peer), seconds("blocked"))]
+    assert len(want) >= 5
+    assert stats.paired_ratios(run, shape, peer, "blocked") == pytest.approx(want)
+
+
+def test_headline_is_fastest_kernel_over_fastest_peer(run: res.Results) -> None:
+    for h in stats.headlines(run):
+        impls = [i for i in run.impls() if run.times(h.shape, i)]
+        medians = {i: statistics.median(run.times(h.shape, i)) for i in impls}
+        assert h.kernel == min((i for i in impls if res.is_kernel(i)), key=medians.get)
+        peers = [i for i in impls if res.is_peer(i)]
+        assert h.peer == min(peers, key=medians.get)
+        ratios = [p / k for p, k in zip(run.times(h.shape, h.peer), run.times(h.shape, h.kernel))]
+        assert h.speedup.median == pytest.approx(statistics.median(ratios))
+        assert h.speedup.low == pytest.approx(min(ratios))
+
+
+def test_shape_rows_speedups(run: res.Results) -> None:
+    shape = run.shapes()[0]
+    rows = stats.shape_rows(run, shape)
+    assert [r.ms.median for r in rows] == sorted(r.ms.median for r in rows)
+    naive = next(r for r in rows if r.impl == "naive")
+    assert naive.vs_naive.median == pytest.approx(1.0)
+
+
+def slowed(raw: dict, name: str, factor: float) -> dict:
+    data = copy.deepcopy(raw)
+    for b in iterations(data):
+        if b["name"] == name:
+            b["real_time"] *= factor
+            b["cpu_time"] *= factor
+    return data
+
+
+def test_comparison_flags_a_regression_and_only_it(raw: dict) -> None:
+    name = next(b["name"] for b in iterations(raw) if "/blocked/" in b["name"])
+    old, new = res.parse(raw, "old"), res.parse(slowed(raw, name, 1.5), "new")
+    changes = {c.name: c for c in stats.compare(old, new)}
+    assert changes[name].verdict == "regression"
+    assert changes[name].ratio == pytest.approx(1.5)
+    assert changes[name].pvalue < 0.05
+    others = [c for n, c in changes.items() if n != name]
+    assert others and all(c.verdict == "same" for c in others)
+    faster = {c.name: c for c in stats.compare(old, res.parse(slowed(raw, name, 0.5)))}
+    assert faster[name].verdict == "improvement"
+
+
+def test_one_repetition_is_untested(raw: dict) -> None:
+    data = copy.deepcopy(raw)
+    seen: set[str] = set()
+    data["benchmarks"] = [b for b in iterations(data)
+                          if not (b["name"] in seen or seen.add(b["name"]))]
+    changes = stats.compare(res.parse(data), res.parse(data))
+    assert changes and all(c.verdict == "untested" for c in changes)
+
+
+def test_report_files(run: res.Results, tmp_path: Path) -> None:
+    baseline = res.parse(slowed(run.raw, iterations(run.raw)[0]["name"], 1.5), "baseline")
+    md, page = write(build(run, tmp_path, baseline), tmp_path)
+    text = md.read_text()
+    assert run.context["mha_cpu_model"] in text
+    assert "Summary: the fastest kernel against the fastest peer" in text
+    assert "improvement" in text  # the baseline was slower in one benchmark
+    images = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert {"roofline.png", "comparison.png"} <= set(images)
+    for image in images:
+        assert (tmp_path / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({image})" in text
+    body = page.read_text()
+    assert body.count("data:image/png;base64,") == len(images)
+    assert ".png" not in body.replace("data:image/png", "")  # self-contained
+
+
+def test_summary_lists_every_shape_with_a_kernel(run: res.Results) -> None:
+    lines = summary_text(run).splitlines()
+    assert len(lines) == 1 + len(stats.headlines(run))
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(FIXTURE), "--out", str(tmp_path / "r")]) == 0
+    assert "best peer" in capsys.readouterr().out
+    assert (tmp_path / "r" / "report.html").exists()
+    missing = tmp_path / "none.json"
+    assert main([str(missing), "--out", str(tmp_path / "x")]) == 2
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"context": {}, "benchmarks": []}')
+    assert main([str(empty), "--out", str(tmp_path / "x")]) == 2
