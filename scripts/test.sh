@@ -2,100 +2,239 @@
 # Every test of the project, from a fresh Debian 12 machine: installs what it needs, builds,
 # and runs the suite natively, under AddressSanitizer + UndefinedBehaviorSanitizer, on
 # emulated older x86-64 CPUs (Haswell: AVX2, no AVX-512; qemu64: baseline x86-64) and
-# cross-built for aarch64 under qemu. Prints the time of each part and a closing count.
+# cross-built for aarch64 under qemu, and the Python tests of the reports and the peers. Ends with a table of the parts (time, ok or the step
+# that failed and why), the kernels this CPU could not run, and a closing count.
 #
-# Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64
+# Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64 python
+#                                            selftest
 #                                     (default: all of them, in that order)
+# Environment:
+#   JOBS             parallel build and ctest jobs (default: nproc)
+#   MHA_BUILD_ROOT   where the build folders go (default: the repository root)
+#   CMAKE_ARGS       extra arguments for every CMake configure (split on blanks)
+#
+# The closing line counts ctest's tests, and counts a part that failed before or outside
+# ctest (set-up, configure, build) as one failed test, so it never says "0 failed" when the
+# exit status is not 0.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 JOBS="${JOBS:-$(nproc)}"
+BUILD_ROOT="${MHA_BUILD_ROOT:-$REPO}"
+read -r -a EXTRA_CMAKE_ARGS <<<"${CMAKE_ARGS:-}"
+ALL_PARTS=(format native sanitize emulated aarch64 python selftest)
 PARTS=("$@")
-((${#PARTS[@]})) || PARTS=(format native sanitize emulated aarch64)
+((${#PARTS[@]})) || PARTS=("${ALL_PARTS[@]}")
+for p in "${PARTS[@]}"; do
+  [[ " ${ALL_PARTS[*]} " == *" $p "* ]] ||
+    { echo "unknown part '$p' (parts: ${ALL_PARTS[*]})" >&2; exit 2; }
+done
 
 passed=0
 failed=0
-declare -a timings=()
 status=0
+declare -a table=()
+LOGS="$(mktemp -d)"
+trap 'rm -rf "$LOGS"' EXIT
 
-# Runs one part, times it, and adds up the ctest counts it printed.
+# step [--quiet] NAME CMD...: one step of a part. Its output goes to the terminal (with
+# --quiet only when it fails) and to the step log; when it fails, the step's name and the
+# first error line of its output become the part's one-line reason.
+step() {
+  local quiet=0
+  [[ $1 == --quiet ]] && { quiet=1; shift; }
+  local name="$1"
+  shift
+  local rc
+  if ((quiet)); then
+    "$@" >"$LOGS/step.log" 2>&1
+    rc=$?
+  else
+    "$@" 2>&1 | tee "$LOGS/step.log"
+    rc=${PIPESTATUS[0]}
+  fi
+  if ((rc != 0)); then
+    ((quiet)) && cat "$LOGS/step.log"
+    # The first error line; one that ends in ':' (CMake's "CMake Error at ...:") with the
+    # indented lines below it, which say what.
+    local why
+    why=$(awk '
+      found && /^[^ \t]/ { print msg; exit }
+      found { msg = msg " " $0; next }
+      /([Ee]rror|FAILED|[Ff]ailed|[Nn]ot found|No such)/ {
+        if ($0 !~ /:[[:space:]]*$/) { print; exit }
+        found = 1; msg = $0 }
+      END { if (found) print msg }' "$LOGS/step.log" | head -n 1)
+    [[ -n $why ]] || why=$(tail -n 1 "$LOGS/step.log")
+    printf '%s: %s' "$name" "$(tr -s ' \t' ' ' <<<"$why" | sed -E 's/^ //' | cut -c1-160)" \
+      >"$LOGS/reason"
+  fi
+  return "$rc"
+}
+
+# part NAME CMD...: runs one part, times it, adds up the ctest counts it printed and keeps
+# its log for the summary of skipped tests.
 part() {
   local name="$1"
   shift
-  local log start end rc
-  log="$(mktemp)"
+  local log="$LOGS/part-$name.log" start rc
   start=$(date +%s)
   echo "=== $name"
+  rm -f "$LOGS/reason"
   "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
-  end=$(date +%s)
   # ctest: "100% tests passed, 0 tests failed out of 42"
-  local line p f total
+  local line p=0 f=0 ran=0
   while read -r line; do
-    f=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$line")
+    local lf total
+    lf=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$line")
     total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$line")
-    p=$((total - f))
-    passed=$((passed + p))
-    failed=$((failed + f))
+    p=$((p + total - lf))
+    f=$((f + lf))
+    ran=1
   done < <(grep -E 'tests passed, [0-9]+ tests? failed out of' "$log")
-  rm -f "$log"
-  timings+=("$(printf '%-10s %5ds  %s' "$name" $((end - start)) "$([[ $rc -eq 0 ]] && echo ok || echo FAILED)")")
-  if [[ $rc -ne 0 ]]; then status=1; fi
+  # pytest: "===== 3 failed, 29 passed, 2 skipped in 2.12s ====="
+  while read -r line; do
+    local n
+    n=$(grep -oE '[0-9]+ passed' <<<"$line" | cut -d' ' -f1)
+    p=$((p + ${n:-0}))
+    n=$(grep -oE '[0-9]+ (failed|errors?)' <<<"$line" | awk '{s += $1} END {print s + 0}')
+    f=$((f + ${n:-0}))
+    ran=1
+  done < <(grep -E '^=+ .*[0-9]+ (passed|failed|error).* in [0-9.]+s.* =+$' "$log")
+  local result=ok
+  if ((rc != 0)); then
+    status=1
+    if ((f == 0)); then
+      f=1  # failed before or outside ctest: one failure, never none
+      result="FAILED at $(cat "$LOGS/reason" 2>/dev/null || echo "exit status $rc")"
+    else
+      result="FAILED: $f of $((p + f)) tests"
+    fi
+  elif ((ran == 0)) && [[ $name != deps ]]; then
+    p=1  # a check outside ctest (format, selftest): one test
+  fi
+  passed=$((passed + p))
+  failed=$((failed + f))
+  table+=("$(printf '%-10s %5ds  %s' "$name" $(($(date +%s) - start)) "$result")")
 }
 
 configure_build() {  # build_dir, cmake args...
   local dir="$1"
   shift
-  cmake -S . -B "$dir" -G Ninja -DMHA_WERROR=ON "$@" >/dev/null && cmake --build "$dir" -j "$JOBS"
+  step --quiet configure cmake -S . -B "$dir" -G Ninja -DMHA_WERROR=ON "$@" "${EXTRA_CMAKE_ARGS[@]}" &&
+    step build cmake --build "$dir" -j "$JOBS"
 }
+
+run_deps() { step install-deps scripts/install-deps.sh; }
 
 run_format() {
   local files
-  files=$(git ls-files '*.cpp' '*.h' '*.inc' 2>/dev/null || find kernels reference property_tests bench -name '*.cpp' -o -name '*.h')
+  files=$(git ls-files '*.cpp' '*.h' '*.inc' 2>/dev/null ||
+    find kernels reference property_tests bench -name '*.cpp' -o -name '*.h')
   # shellcheck disable=SC2086
-  clang-format --dry-run -Werror $files && echo "clang-format: clean"
+  step clang-format clang-format --dry-run -Werror $files && echo "clang-format: clean"
 }
 
 run_native() {
-  configure_build build -DCMAKE_BUILD_TYPE=Release &&
-    ctest --test-dir build -LE emulated -j "$JOBS" --output-on-failure
+  configure_build "$BUILD_ROOT/build" -DCMAKE_BUILD_TYPE=Release &&
+    step ctest ctest --test-dir "$BUILD_ROOT/build" -LE emulated -j "$JOBS" --output-on-failure
 }
 
 run_sanitize() {
-  configure_build build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_SANITIZE=ON &&
+  configure_build "$BUILD_ROOT/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_SANITIZE=ON &&
     ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-      ctest --test-dir build-asan -j "$JOBS" --output-on-failure
+      step ctest ctest --test-dir "$BUILD_ROOT/build-asan" -j "$JOBS" --output-on-failure
 }
 
 run_emulated() {
-  configure_build build -DCMAKE_BUILD_TYPE=Release &&
-    ctest --test-dir build -L emulated -j "$JOBS" --output-on-failure
+  configure_build "$BUILD_ROOT/build" -DCMAKE_BUILD_TYPE=Release &&
+    step ctest ctest --test-dir "$BUILD_ROOT/build" -L emulated -j "$JOBS" --output-on-failure
 }
 
+# Every test of the cross build runs under qemu-aarch64: idle OpenMP threads sleep rather than
+# spin (see property_tests/CMakeLists.txt).
 run_aarch64() {
-  scripts/setup-aarch64.sh &&
-    configure_build build-aarch64 -DCMAKE_BUILD_TYPE=Release \
+  step setup-aarch64 scripts/setup-aarch64.sh &&
+    configure_build "$BUILD_ROOT/build-aarch64" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_TOOLCHAIN_FILE="$REPO/cmake/toolchains/aarch64-linux-gnu.cmake" &&
-    ctest --test-dir build-aarch64 -j "$JOBS" --output-on-failure
+    OMP_WAIT_POLICY=PASSIVE \
+      step ctest ctest --test-dir "$BUILD_ROOT/build-aarch64" -j "$JOBS" --output-on-failure
 }
 
-total_start=$(date +%s)
-part deps scripts/install-deps.sh
-for p in "${PARTS[@]}"; do
-  case "$p" in
-    format) part format run_format ;;
-    native) part native run_native ;;
-    sanitize) part sanitize run_sanitize ;;
-    emulated) part emulated run_emulated ;;
-    aarch64) part aarch64 run_aarch64 ;;
-    *) echo "unknown part '$p' (parts: format native sanitize emulated aarch64)" >&2; exit 2 ;;
+# The reports' and the peers' tests. The environment has the reports' packages (small); the
+# peers' frameworks (about 5 GB) only where the main job installed them, else their tests
+# skip. PyPI out of reach: the part is skipped, and says so.
+run_python() {
+  local python rc=0
+  python=$(scripts/setup-python.sh | tail -n 1) || rc=$?
+  if ((rc == 77)); then
+    echo "python: skipped (PyPI could not be reached)"
+    return 0
+  fi
+  ((rc == 0)) &&
+    (cd reports && step pytest-reports "$python" -m pytest -q -p no:cacheprovider tests) &&
+    (cd bench/peers && step pytest-peers "$python" -m pytest -q -p no:cacheprovider -rs tests)
+}
+
+run_selftest() { step summary-test scripts/test-summary-test.sh; }
+
+# What each ISA needs, for the list of kernels this CPU could not run.
+isa_needs() {
+  case "$1" in
+    avx512) echo "needs AVX-512 F/VL/DQ/BW and FMA" ;;
+    avx2) echo "needs AVX2 and FMA" ;;
+    neon) echo "needs AArch64 Advanced SIMD" ;;
+    *) echo "needs $1" ;;
   esac
-done
-echo
-echo "=== time per part"
-printf '%s\n' "${timings[@]}"
-echo "total      $(($(date +%s) - total_start))s"
-echo
-echo "tests: $passed passed, $failed failed"
-exit $status
+}
+
+# From ctest's "The following tests did not run:" lines of every part: the skipped tests by
+# kernel (a test belongs to a kernel when its name ends in /<kernel> or starts with
+# copy/<kernel> or <Kernel>Exp.), kernels as registry.inc lists them with their ISA.
+not_run_summary() {
+  local skipped
+  skipped=$(cat "$LOGS"/part-*.log 2>/dev/null |
+    sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+).*\(Skipped\)$/\1/p')
+  [[ -n $skipped ]] || { echo "not run on this CPU: none (every test that started ran)"; return; }
+  local kernels name isa n others=$skipped lines=()
+  kernels=$(sed -nE 's/^MHA_KERNEL\(([a-z0-9_-]+), *([a-z0-9_]+),.*/\1 \2/p' kernels/registry.inc)
+  while read -r name isa; do
+    local cap="${name^}"
+    local pattern="(/${name//-/_}\$|^copy/${name}\$|^${cap}Exp\.)"
+    n=$(grep -c -E "$pattern" <<<"$skipped")
+    ((n > 0)) || continue
+    lines+=("  $name ($n tests skipped: $(isa_needs "$isa"))")
+    others=$(grep -v -E "$pattern" <<<"$others")
+  done <<<"$kernels"
+  if ((${#lines[@]})); then
+    echo "not run on this CPU:"
+    printf '%s\n' "${lines[@]}"
+  else
+    echo "not run on this CPU: no kernel (every kernel of these builds ran)"
+  fi
+  if [[ -n $others ]]; then
+    echo "also skipped by design ($(wc -l <<<"$others")): $(sort -u <<<"$others" | tr '\n' ' ')"
+  fi
+}
+
+main() {
+  total_start=$(date +%s)
+  part deps run_deps
+  for p in "${PARTS[@]}"; do
+    part "$p" "run_$p"
+  done
+  echo
+  echo "=== parts"
+  printf '%s\n' "${table[@]}"
+  echo "total      $(($(date +%s) - total_start))s"
+  echo
+  not_run_summary
+  echo
+  echo "tests: $passed passed, $failed failed"
+  exit $status
+}
+
+# Parsed whole before it runs: editing this file during a run cannot break that run.
+main "$@"
