@@ -70,10 +70,23 @@ def _legend(fig: plt.Figure, ax: Axes) -> None:
         fig.legend(handles, labels, loc="outside right center", fontsize=8, frameon=False)
 
 
-def _common(shapes: list[Shape], key: Callable[[Shape], tuple]) -> tuple | None:
-    """The most frequent value of key over the shapes (the sweep's fixed parameters)."""
-    counts = Counter(key(s) for s in shapes)
-    return counts.most_common(1)[0][0] if counts else None
+def _sweep(results: Results, keep: Callable[[Shape], bool], fixed: Callable[[Shape], tuple],
+           varied: Callable[[Shape], object]) -> tuple[tuple, list[Shape]] | None:
+    """The 1-thread shapes that `keep` selects with the most frequent value of `fixed` (the
+    sweep's fixed parameters), or None unless `varied` takes at least two values there."""
+    shapes = [s for s in results.shapes() if s.threads == 1 and keep(s)]
+    counts = Counter(fixed(s) for s in shapes)
+    if not counts:
+        return None
+    value = counts.most_common(1)[0][0]
+    shapes = [s for s in shapes if fixed(s) == value]
+    return (value, shapes) if len({varied(s) for s in shapes}) >= 2 else None
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _cpu(results: Results) -> str:
@@ -82,14 +95,11 @@ def _cpu(results: Results) -> str:
 
 def prefill_vs_length(results: Results, path: Path) -> Path | None:
     """Does throughput hold up as the sequence grows? GFLOP/s against L, causal and not."""
-    shapes = [s for s in results.shapes()
-              if s.family == "prefill" and s.q_len == s.kv_len and s.threads == 1]
-    fixed = _common(shapes, lambda s: (s.heads, s.kv_heads, s.dim))
-    if fixed is None:
+    sweep = _sweep(results, lambda s: s.family == "prefill" and s.q_len == s.kv_len,
+                   lambda s: (s.heads, s.kv_heads, s.dim), lambda s: s.q_len)
+    if sweep is None:
         return None
-    shapes = [s for s in shapes if (s.heads, s.kv_heads, s.dim) == fixed]
-    if len({s.q_len for s in shapes}) < 2:
-        return None
+    fixed, shapes = sweep
     order = results.impls()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True, layout="constrained")
     for ax, causal in zip(axes, (False, True)):
@@ -107,20 +117,16 @@ def prefill_vs_length(results: Results, path: Path) -> Path | None:
     fig.suptitle(f"Prefill throughput against sequence length (H={h} Hkv={hkv} D={d}, "
                  f"1 thread, {_cpu(results)})")
     _legend(fig, axes[0])
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def decode_vs_length(results: Results, path: Path) -> Path | None:
     """Does a decode step stream the KV cache at the memory's speed, at every cache size?"""
-    shapes = [s for s in results.shapes() if s.family == "decode" and s.threads == 1]
-    fixed = _common(shapes, lambda s: (s.heads, s.kv_heads, s.dim))
-    if fixed is None:
+    sweep = _sweep(results, lambda s: s.family == "decode",
+                   lambda s: (s.heads, s.kv_heads, s.dim), lambda s: s.kv_len)
+    if sweep is None:
         return None
-    shapes = [s for s in shapes if (s.heads, s.kv_heads, s.dim) == fixed]
-    if len({s.kv_len for s in shapes}) < 2:
-        return None
+    fixed, shapes = sweep
     fig, ax = plt.subplots(figsize=(11, 4.8), layout="constrained")
     _plot_series(ax, _series(results, shapes, lambda s: s.kv_bytes() / 2**20,
                              lambda s, i: _median(results.counter(s, i, "GBps"))),
@@ -136,20 +142,16 @@ def decode_vs_length(results: Results, path: Path) -> Path | None:
     ax.set_title(f"Decode: KV-cache read rate against cache size (H={h} Hkv={hkv} D={d}, "
                  f"1 thread, {_cpu(results)})")
     _legend(fig, ax)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def decode_vs_kv_heads(results: Results, path: Path) -> Path | None:
     """What does sharing KV heads buy? Time per decode step against Hkv, beside the cache."""
-    shapes = [s for s in results.shapes() if s.family == "decode" and s.threads == 1]
-    fixed = _common(shapes, lambda s: (s.heads, s.kv_len, s.dim))
-    if fixed is None:
+    sweep = _sweep(results, lambda s: s.family == "decode",
+                   lambda s: (s.heads, s.kv_len, s.dim), lambda s: s.kv_heads)
+    if sweep is None:
         return None
-    shapes = [s for s in shapes if (s.heads, s.kv_len, s.dim) == fixed]
-    if len({s.kv_heads for s in shapes}) < 2:
-        return None
+    fixed, shapes = sweep
     fig, ax = plt.subplots(figsize=(11, 4.8), layout="constrained")
     kv = {s.kv_heads: s.kv_bytes() / 2**20 for s in shapes}
     ax2 = ax.twinx()
@@ -173,20 +175,16 @@ def decode_vs_kv_heads(results: Results, path: Path) -> Path | None:
     ax.set_title(f"Decode: time per step as query heads share KV heads (H={h} Lk={lk} D={d}, "
                  f"1 thread, {_cpu(results)})")
     _legend(fig, ax)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def heads_sweep(results: Results, path: Path) -> Path | None:
     """At a fixed model width d = H D the work is the same: does the time stay flat in H?"""
-    shapes = [s for s in results.shapes() if s.family == "heads" and s.threads == 1]
-    fixed = _common(shapes, lambda s: (s.heads * s.dim, s.q_len))
-    if fixed is None:
+    sweep = _sweep(results, lambda s: s.family == "heads", lambda s: (s.heads * s.dim, s.q_len),
+                   lambda s: s.heads)
+    if sweep is None:
         return None
-    shapes = [s for s in shapes if (s.heads * s.dim, s.q_len) == fixed]
-    if len(shapes) < 2:
-        return None
+    fixed, shapes = sweep
     fig, ax = plt.subplots(figsize=(11, 4.8), layout="constrained")
     _plot_series(ax, _series(results, shapes, lambda s: s.heads,
                              lambda s, i: _median([t * 1e3 for t in results.times(s, i)])),
@@ -201,9 +199,7 @@ def heads_sweep(results: Results, path: Path) -> Path | None:
     ax.set_title(f"Head sweep at fixed model width d={fixed[0]}, L={fixed[1]}: same FLOPs, "
                  f"1 thread, {_cpu(results)}")
     _legend(fig, ax)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def roofline(results: Results, path: Path) -> Path | None:
@@ -246,9 +242,7 @@ def roofline(results: Results, path: Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(f"Roofline: every 1-thread result under the measured roofs ({_cpu(results)})")
     _legend(fig, ax)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def comparison(changes: list[Change], path: Path, old: str, new: str) -> Path | None:
@@ -270,6 +264,4 @@ def comparison(changes: list[Change], path: Path, old: str, new: str) -> Path | 
         ax.barh([], [], color=color, label=verdict)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("Change per benchmark between two runs (U test at alpha 0.05, 5 % threshold)")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
