@@ -449,17 +449,18 @@ class Checked : public Base {
   }
 };
 
-// One line on standard error as each family starts, with the time since the first.
-void progress(const std::string& family) {
+// One line on standard error as each shape starts: how far the run is, and since when.
+void progress(const std::string& shape, int index, int count) {
   static std::string last;  // Google Benchmark calls a benchmark several times
-  if (family == last) return;
-  last = family;
+  if (shape == last) return;
+  last = shape;
   static const auto start = std::chrono::steady_clock::now();
   const auto seconds =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start)
           .count();
-  std::fprintf(stderr, "mha_bench: [%lldm%02llds] %s\n", static_cast<long long>(seconds / 60),
-               static_cast<long long>(seconds % 60), family.c_str());
+  std::fprintf(stderr, "mha_bench: [%lldm%02llds] shape %d of %d: %s\n",
+               static_cast<long long>(seconds / 60), static_cast<long long>(seconds % 60), index,
+               count, shape.c_str());
 }
 
 std::string fixed(double x, int digits = 1) {
@@ -632,9 +633,16 @@ int main(int argc, char** argv) {
   // Shape by shape, so that kernels and peers of one shape are measured next to each other;
   // with --rounds=N each shape's implementations run N times in turn (the same name N times
   // in the output), so every ratio can come from neighbouring measurements.
+  std::vector<Shape> unique_shapes;
   std::set<std::string> shapes_seen;
   for (const Shape& s : all_shapes) {
-    if (!shapes_seen.insert(s.name("")).second) continue;
+    if (shapes_seen.insert(s.name("")).second) unique_shapes.push_back(s);
+  }
+  const int shape_count = static_cast<int>(unique_shapes.size());
+  for (int index = 1; index <= shape_count; ++index) {
+    const Shape& s = unique_shapes[static_cast<std::size_t>(index - 1)];
+    // "decode/B:1/H:32/..." without the implementation's slot
+    const std::string shape = s.family + s.name("").substr(s.family.size() + 1);
     std::vector<std::string> peers;
     if (server) {
       const mha::Problem p = workspace_problem(s);
@@ -648,8 +656,8 @@ int main(int argc, char** argv) {
         // naive is O(Lq Lk D) with poor locality: beyond 2048 it would take minutes a run.
         if (impl.naive && s.q_len > 2048) continue;
         benchmark::RegisterBenchmark(s.name(impl.name).c_str(),
-                                     [impl, s](benchmark::State& st) {
-                                       progress(s.family);
+                                     [impl, s, shape, index, shape_count](benchmark::State& st) {
+                                       progress(shape, index, shape_count);
                                        run_benchmark(st, impl, s, probe);
                                      })
             ->UseRealTime()

@@ -6,7 +6,6 @@ dotted with crosses, dashed with open squares)."""
 from __future__ import annotations
 
 import statistics
-from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -72,15 +71,19 @@ def _legend(fig: plt.Figure, ax: Axes) -> None:
 
 def _sweep(results: Results, keep: Callable[[Shape], bool], fixed: Callable[[Shape], tuple],
            varied: Callable[[Shape], object]) -> tuple[tuple, list[Shape]] | None:
-    """The 1-thread shapes that `keep` selects with the most frequent value of `fixed` (the
-    sweep's fixed parameters), or None unless `varied` takes at least two values there."""
+    """The 1-thread shapes that `keep` selects, at the value of `fixed` (the sweep's fixed
+    parameters) where `varied` takes the most values (ties: the largest value, e.g. the most
+    heads); None unless it takes at least two."""
     shapes = [s for s in results.shapes() if s.threads == 1 and keep(s)]
-    counts = Counter(fixed(s) for s in shapes)
-    if not counts:
+    spans: dict[tuple, set] = {}
+    for s in shapes:
+        spans.setdefault(fixed(s), set()).add(varied(s))
+    if not spans:
         return None
-    value = counts.most_common(1)[0][0]
-    shapes = [s for s in shapes if fixed(s) == value]
-    return (value, shapes) if len({varied(s) for s in shapes}) >= 2 else None
+    value = max(spans, key=lambda v: (len(spans[v]), v))
+    if len(spans[value]) < 2:
+        return None
+    return value, [s for s in shapes if fixed(s) == value]
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
@@ -135,8 +138,9 @@ def decode_vs_length(results: Results, path: Path) -> Path | None:
         _limit(ax, results.context_float(f"probe_{level}_gbps_1t"),
                f"{level.upper()} read bandwidth (1 core)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("KV cache read per step (MiB)")
-    ax.set_ylabel("KV cache bytes per second (GB/s)")
+    ax.set_ylabel("KV cache bytes per second (GB/s, log)")
     ax.grid(True, which="both", alpha=0.3)
     h, hkv, d = fixed
     ax.set_title(f"Decode: KV-cache read rate against cache size (H={h} Hkv={hkv} D={d}, "
