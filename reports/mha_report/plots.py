@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from .results import Results, Shape, is_kernel, is_peer  # noqa: E402
 from .stats import Change  # noqa: E402
@@ -249,23 +250,24 @@ def roofline(results: Results, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def comparison(changes: list[Change], path: Path, old: str, new: str) -> Path | None:
-    """Which benchmarks got slower or faster between two runs, and is it more than noise?"""
-    if not changes:
+def comparison(changes: list[Change], path: Path, old: str, new: str,
+               threshold: float = 0.05) -> Path | None:
+    """Which benchmarks got slower or faster between two runs, and is it more than noise?
+    Only those whose median moved by more than `threshold` are drawn."""
+    moved = sorted((c for c in changes if abs(c.ratio - 1) > threshold), key=lambda c: c.ratio)
+    if not moved:
         return None
-    changes = sorted(changes, key=lambda c: c.ratio)
     colors = {"regression": "tab:red", "improvement": "tab:green", "same": "0.6",
               "untested": "0.85"}
-    height = max(3.0, 0.22 * len(changes) + 1.2)
-    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
-    ax.barh(range(len(changes)), [c.ratio - 1 for c in changes], left=1,
-            color=[colors[c.verdict] for c in changes])
-    ax.set_yticks(range(len(changes)), [c.name.replace("/real_time", "").replace(
-        "/manual_time", "") for c in changes], fontsize=6)
+    fig, ax = plt.subplots(figsize=(11, max(3.0, 0.22 * len(moved) + 1.4)), layout="constrained")
+    ax.barh(range(len(moved)), [c.ratio - 1 for c in moved], left=1,
+            color=[colors[c.verdict] for c in moved])
+    ax.set_yticks(range(len(moved)), [c.name.replace("/real_time", "").replace(
+        "/manual_time", "") for c in moved], fontsize=7)
     ax.axvline(1, color="black", linewidth=1)
     ax.set_xlabel(f"time ratio {new} / {old} (> 1: slower)")
-    for verdict, color in colors.items():
-        ax.barh([], [], color=color, label=verdict)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title("Change per benchmark between two runs (U test at alpha 0.05, 5 % threshold)")
+    ax.legend(handles=[Patch(color=c, label=v if v != "same" else "not significant")
+                       for v, c in colors.items()], fontsize=8, loc="lower right")
+    ax.set_title(f"Benchmarks whose median time moved by more than {threshold:.0%}: "
+                 f"{len(moved)} of {len(changes)} (U test at p < 0.05)")
     return _save(fig, path)
