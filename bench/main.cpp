@@ -565,6 +565,7 @@ int main(int argc, char** argv) {
   ctx("mha_compiler", MHA_COMPILER);
   ctx("mha_flags", MHA_FLAGS);
   ctx("mha_cpu_model", cpu_model());
+  ctx("mha_cpu_id", cpu_identity());
   ctx("mha_best_kernel", mha::best_kernel().name);
   ctx("mha_best_isa", mha::isa_name(mha::best_kernel().isa));
   ctx("mha_cores", std::to_string(probe.cores));

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <new>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,6 +178,29 @@ std::string cpu_model() {
     if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   }
   return "unknown";
+}
+
+std::string cpu_identity() {
+  // x86: vendor_id, cpu family, model, stepping; AArch64: CPU implementer, part, variant.
+  const char* keys[] = {"vendor_id",       "cpu family", "model",      "stepping",
+                        "CPU implementer", "CPU part",   "CPU variant"};
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, out;
+  std::set<std::string> seen;
+  while (std::getline(f, line) && !(line.empty() && !out.empty())) {
+    const std::size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = line.substr(0, colon);
+    key.erase(key.find_last_not_of(" \t") + 1);
+    for (const char* k : keys) {
+      if (key == k && seen.insert(key).second) {
+        const std::size_t start = line.find_first_not_of(" \t", colon + 1);
+        out += (out.empty() ? "" : ", ") + key + " " +
+               (start == std::string::npos ? std::string() : line.substr(start));
+      }
+    }
+  }
+  return out.empty() ? "unknown" : out;
 }
 
 const FmaPeak& Probe::fma_peak(const std::string& isa) const {

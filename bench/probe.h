@@ -54,5 +54,8 @@ Probe run_probe(bool dram);
 double measure_dram_gbps(const Caches& caches, int threads);
 
 std::string cpu_model();
+/// The CPU's identity from /proc/cpuinfo (x86: vendor, family, model, stepping), for
+/// machines whose model name is generic (virtual machines often report only "Processor").
+std::string cpu_identity();
 
 }  // namespace mha::bench

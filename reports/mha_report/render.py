@@ -120,7 +120,7 @@ def _speedup(s: Spread | None) -> str:
 def machine_table(r: Results) -> Table:
     c = r.context
     rows = [
-        ["CPU", c.get("mha_cpu_model", "?")],
+        ["CPU", c.get("mha_cpu_model", "?") + (f" ({c['mha_cpu_id']})" if "mha_cpu_id" in c else "")],
         ["cores used", c.get("mha_cores", "?")],
         ["best kernel (ISA)", f"{c.get('mha_best_kernel', '?')} ({c.get('mha_best_isa', '?')})"],
         ["FMA peak, 1 core / all (GFLOP/s)",
