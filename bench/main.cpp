@@ -165,12 +165,18 @@ std::vector<Impl> implementations() {
   std::vector<Impl> out;
   for (const KernelInfo& k : all_kernels()) {
     if (!available(k)) continue;
-    const Kernel fn = k.fn;
-    out.push_back(
-        {k.name, k.exp_ulp,
-         [fn](const Problem& p, const float* q, const float* kk, const float* v, float* o,
-              float* lse, int threads) { parallel_attention(fn, p, q, kk, v, o, lse, threads); },
-         std::string(k.name) == "naive", isa_name(k.isa)});
+    // The driver's workspace, grown on a benchmark's first call (the check against the
+    // reference, before the timed loop), so that timed calls allocate nothing.
+    auto workspace = std::make_shared<std::vector<unsigned char>>();
+    out.push_back({k.name, k.exp_ulp,
+                   [kernel = &k, workspace](const Problem& p, const float* q, const float* kk,
+                                            const float* v, float* o, float* lse, int threads) {
+                     const std::size_t bytes = parallel_workspace(kernel->workspace, p, threads);
+                     if (workspace->size() < bytes) workspace->resize(bytes);
+                     parallel_attention(kernel->fn, kernel->workspace, p, q, kk, v, o, lse, threads,
+                                        Workspace{workspace->data(), bytes});
+                   },
+                   std::string(k.name) == "naive", isa_name(k.isa)});
   }
   // A composed baseline: its library's threads set to the benchmark's, then the composition.
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {

@@ -4,11 +4,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <vector>
+
+#include "mha/support.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -18,68 +18,129 @@ namespace mha {
 
 namespace {
 
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+using support::ceil_div;
 
 // One unit: batch b, KV head kv, query rows [r0, r0 + rows) of the g heads reading kv.
 struct Unit {
   std::int64_t b, kv, r0, rows;
-  std::int64_t kv_len;  // keys the unit can see at all (bottom-right causal slicing)
+  std::int64_t kv_len;      // keys the unit can see at all (bottom-right causal slicing)
+  std::int64_t first_part;  // its first partial result, or -1 when it is not split
+  std::int64_t parts;       // how many (0 when not split)
 };
 
 // One kernel call: a unit's KV range [c0, c1), or all of it.
 struct Task {
   std::int64_t unit, c0, c1;
   bool causal;
-  std::int64_t part;  // index of the partial result in scratch, or -1: write o directly
+  std::int64_t part;  // index of the partial result in the workspace, or -1: write o directly
 };
 
-struct Schedule {
-  std::vector<Unit> units;
-  std::vector<Task> tasks;
-  std::vector<std::int64_t> first_part;  // per unit: its first partial, or -1 if not split
-  std::vector<std::int64_t> n_parts;     // per unit
-  std::int64_t parts = 0;
+// Sizes that bound the schedule, from the problem and the thread count alone.
+struct Bounds {
+  Plan plan;
+  std::int64_t group, unit_rows;  // g; query rows of the largest unit
+  std::int64_t max_tasks;         // units x chunks: at most that many kernel calls
+  std::int64_t max_parts;         // partial results (split-KV only)
+  std::int64_t part_o, part_lse;  // floats of one partial o and lse
+  int threads;                    // threads that get work: at most one per task
+  std::size_t kernel_bytes;       // one thread's kernel workspace, for the largest unit
 };
 
-Schedule schedule(const Problem& p, const Plan& plan) {
-  Schedule s;
+Bounds bounds(WorkspaceSize kernel_workspace, const Problem& p, int threads) {
+  Bounds b;
+  b.plan = plan(p);
+  b.group = p.q_heads / p.kv_heads;
+  b.unit_rows = std::min(b.plan.row_block, p.q_len);
+  b.max_tasks = b.plan.units * b.plan.chunks;
+  b.max_parts = b.plan.chunks > 1 ? b.max_tasks : 0;
+  b.part_o = b.unit_rows * b.group * p.head_dim;
+  b.part_lse = b.unit_rows * b.group;
+  b.threads = static_cast<int>(std::min<std::int64_t>(threads, b.max_tasks));
+  // Every task is a problem {batch 1, q_heads g, kv_heads 1} of at most unit_rows rows and
+  // kv_len keys, and a kernel's workspace never decreases with q_len or kv_len.
+  Problem largest = p;
+  largest.batch = 1;
+  largest.q_len = b.unit_rows;
+  largest.q_heads = b.group;
+  largest.kv_heads = 1;
+  b.kernel_bytes = kernel_workspace(largest);
+  return b;
+}
+
+// The driver's arrays in the workspace; laid out by the same code for the size query.
+struct Scratch {
+  Unit* units;
+  Task* tasks;
+  const float** part_o;    // [max_parts]: each partial o
+  const float** part_lse;  // [max_parts]: each partial lse
+  float* parts_o;          // [max_parts][part_o]
+  float* parts_lse;        // [max_parts][part_lse]
+  float* merge;            // per thread: chunks + head_dim floats for the merge
+  unsigned char* kernel;   // per thread: kernel_bytes rounded up to 64
+  std::size_t kernel_stride;
+};
+
+Scratch layout(const Bounds& b, const Problem& p, support::Carve& carve) {
+  Scratch l;
+  l.units = carve.take<Unit>(b.plan.units);
+  l.tasks = carve.take<Task>(b.max_tasks);
+  l.part_o = carve.take<const float*>(b.max_parts);
+  l.part_lse = carve.take<const float*>(b.max_parts);
+  l.parts_o = carve.take<float>(b.max_parts * b.part_o);
+  l.parts_lse = carve.take<float>(b.max_parts * b.part_lse);
+  l.merge = carve.take<float>(b.threads * (b.plan.chunks + p.head_dim));
+  l.kernel_stride = (b.kernel_bytes + support::Carve::kAlign - 1) / support::Carve::kAlign *
+                    support::Carve::kAlign;
+  l.kernel = carve.take<unsigned char>(b.threads * static_cast<std::int64_t>(l.kernel_stride));
+  return l;
+}
+
+// Fills l.units and l.tasks; returns the number of tasks.
+std::int64_t schedule(const Problem& p, const Bounds& bd, const Scratch& l) {
+  const Plan& plan = bd.plan;
+  std::int64_t n_units = 0, n_tasks = 0, parts = 0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t kv = 0; kv < p.kv_heads; ++kv) {
       for (std::int64_t r0 = 0; r0 < p.q_len; r0 += plan.row_block) {
         const std::int64_t rows = std::min(plan.row_block, p.q_len - r0);
         const std::int64_t kv_len = p.causal ? p.kv_len - p.q_len + r0 + rows : p.kv_len;
-        s.units.push_back({b, kv, r0, rows, kv_len});
+        Unit& unit = l.units[n_units];
+        unit = {b, kv, r0, rows, kv_len, -1, 0};
+        const std::int64_t u = n_units++;
+        if (kv_len <= 0) continue;  // every row sees no key: the driver writes zeros
+        // Keys every row of the unit sees: a chunk ending there or before is not causal.
+        // Cuts at multiples of the chunk up to there (and before the end).
+        const std::int64_t whole = p.causal ? kv_len - rows + 1 : kv_len;
+        const std::int64_t cuts =
+            plan.chunks > 1 ? std::max<std::int64_t>(0, std::min(whole, kv_len - 1)) / plan.chunk
+                            : 0;
+        const std::int64_t n = cuts + 1;
+        if (n > 1) {
+          unit.first_part = parts;
+          unit.parts = n;
+        }
+        for (std::int64_t c = 0; c < n; ++c) {
+          const bool last = c + 1 == n;
+          l.tasks[n_tasks++] = {u, c * plan.chunk, last ? kv_len : (c + 1) * plan.chunk,
+                                p.causal && last, n > 1 ? parts + c : -1};
+        }
+        if (n > 1) parts += n;
       }
     }
   }
-  for (std::int64_t u = 0; u < static_cast<std::int64_t>(s.units.size()); ++u) {
-    const Unit& unit = s.units[static_cast<std::size_t>(u)];
-    s.first_part.push_back(-1);
-    s.n_parts.push_back(0);
-    if (unit.kv_len <= 0) continue;  // every row sees no key: the driver writes zeros
-    // Keys every row of the unit sees: a chunk ending here or before is not causal.
-    const std::int64_t whole = p.causal ? unit.kv_len - unit.rows + 1 : unit.kv_len;
-    std::vector<std::int64_t> cuts = {0};
-    if (plan.chunks > 1) {
-      for (std::int64_t c = plan.chunk; c <= whole && c < unit.kv_len; c += plan.chunk) {
-        cuts.push_back(c);
-      }
-    }
-    cuts.push_back(unit.kv_len);
-    const std::int64_t n = static_cast<std::int64_t>(cuts.size()) - 1;
-    if (n > 1) {
-      s.first_part.back() = s.parts;
-      s.n_parts.back() = n;
-    }
-    for (std::int64_t c = 0; c < n; ++c) {
-      const bool last = c + 1 == n;
-      s.tasks.push_back({u, cuts[static_cast<std::size_t>(c)],
-                         cuts[static_cast<std::size_t>(c + 1)], p.causal && last,
-                         n > 1 ? s.parts + c : -1});
-    }
-    if (n > 1) s.parts += n;
+  for (std::int64_t i = 0; i < parts; ++i) {
+    l.part_o[i] = l.parts_o + i * bd.part_o;
+    l.part_lse[i] = l.parts_lse + i * bd.part_lse;
   }
-  return s;
+  return n_tasks;
+}
+
+int thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
 }
 
 }  // namespace
@@ -109,22 +170,23 @@ int default_threads() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-void parallel_attention(Kernel kernel, const Problem& p, const float* q, const float* k,
-                        const float* v, float* o, float* lse, int threads) {
-  if (threads <= 0) threads = default_threads();  // NOLINT: read by the num_threads clauses
-  const Plan pl = plan(p);
-  const Schedule s = schedule(p, pl);
-  const std::int64_t g = p.q_heads / p.kv_heads;
+std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p, int threads) {
+  if (threads <= 0) threads = default_threads();
+  const Bounds b = bounds(kernel_workspace, p, threads);
+  return support::workspace_bytes([&](support::Carve& c) { layout(b, p, c); });
+}
+
+void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
+                        const float* q, const float* k, const float* v, float* o, float* lse,
+                        int threads, Workspace ws) {
+  if (threads <= 0) threads = default_threads();
+  const Bounds bd = bounds(kernel_workspace, p, threads);
+  support::Carve carve(ws.data);
+  const Scratch l = layout(bd, p, carve);
+  const std::int64_t n_tasks = schedule(p, bd, l);
+  const std::int64_t g = bd.group;
   const std::int64_t D = p.head_dim;
-  // Partial results: o [row][head][d] and lse [head][row] for every chunk of a split unit,
-  // sized for the rows a unit has (decode: one) and left uninitialized: each is written
-  // whole by its kernel call before the merge reads it. (Zero-filling row_block rows of
-  // every chunk cost 27 ms per call at H = 32, Hkv = 8, Lk = 32768: the decode itself.)
-  const std::int64_t unit_rows = std::min(pl.row_block, p.q_len);
-  const std::int64_t part_o = unit_rows * g * D, part_lse = unit_rows * g;
-  const std::unique_ptr<float[]> scratch_o(new float[static_cast<std::size_t>(s.parts * part_o)]);
-  const std::unique_ptr<float[]> scratch_lse(
-      new float[static_cast<std::size_t>(s.parts * part_lse)]);
+  threads = bd.threads;  // NOLINT: read by the num_threads clauses
 
   const auto unit_problem = [&](const Unit& u) {
     Problem up = p;
@@ -142,26 +204,31 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
     return lse + u.b * p.lse.batch + u.kv * g * p.lse.head + u.r0;
   };
 
+  // Partial results (o [row][head][d], lse [head][row] of every chunk of a split unit) are
+  // left uninitialized: each is written whole by its kernel call before the merge reads it.
+  // (Zero-filling row_block rows of every chunk cost 27 ms per call at H = 32, Hkv = 8,
+  // Lk = 32768: the decode itself.)
   const auto run_task = [&](std::int64_t t) {
-    const Task& task = s.tasks[static_cast<std::size_t>(t)];
-    const Unit& u = s.units[static_cast<std::size_t>(task.unit)];
+    const Task& task = l.tasks[t];
+    const Unit& u = l.units[task.unit];
     Problem tp = unit_problem(u);
     tp.kv_len = task.c1 - task.c0;
     tp.causal = task.causal;
     const float* tq = q + u.b * p.q.batch + u.r0 * p.q.seq + u.kv * g * p.q.head;
     const float* tk = k + u.b * p.k.batch + task.c0 * p.k.seq + u.kv * p.k.head;
     const float* tv = v + u.b * p.v.batch + task.c0 * p.v.seq + u.kv * p.v.head;
+    const Workspace kws{l.kernel + static_cast<std::size_t>(thread_index()) * l.kernel_stride,
+                        bd.kernel_bytes};
     if (task.part < 0) {
-      kernel(tp, tq, tk, tv, o_at(u), lse != nullptr ? lse_at(u) : nullptr);
+      kernel(tp, tq, tk, tv, o_at(u), lse != nullptr ? lse_at(u) : nullptr, kws);
     } else {
       tp.o = {0, g * D, D};
       tp.lse = {0, u.rows};
-      kernel(tp, tq, tk, tv, scratch_o.get() + task.part * part_o,
-             scratch_lse.get() + task.part * part_lse);
+      kernel(tp, tq, tk, tv, l.parts_o + task.part * bd.part_o,
+             l.parts_lse + task.part * bd.part_lse, kws);
     }
   };
-  const auto n_tasks = static_cast<std::int64_t>(s.tasks.size());
-  if (pl.chunks > 1) {
+  if (bd.plan.chunks > 1) {
     // Split KV: chunks of equal work, dealt out the same way every call, so that a thread
     // finds its chunks in its own core's L2 when the KV cache fits there (dynamic dealing
     // can move a chunk to the other core from one call to the next).
@@ -173,12 +240,11 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
     for (std::int64_t t = 0; t < n_tasks; ++t) run_task(t);
   }
 
-  const auto n_units = static_cast<std::int64_t>(s.units.size());
+  const std::int64_t n_units = bd.plan.units;
   // One unit (a decode of one KV head) is merged where it is, without waking the threads.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_units > 1)
   for (std::int64_t i = 0; i < n_units; ++i) {
-    const Unit& u = s.units[static_cast<std::size_t>(i)];
-    const Problem up = unit_problem(u);
+    const Unit& u = l.units[i];
     if (u.kv_len <= 0) {  // no row of the slice sees a key
       for (std::int64_t r = 0; r < u.rows; ++r) {
         for (std::int64_t h = 0; h < g; ++h) {
@@ -190,21 +256,15 @@ void parallel_attention(Kernel kernel, const Problem& p, const float* q, const f
       }
       continue;
     }
-    const std::int64_t first = s.first_part[static_cast<std::size_t>(i)];
-    if (first < 0) continue;
-    const std::int64_t n = s.n_parts[static_cast<std::size_t>(i)];
-    std::vector<const float*> os, ls;
-    for (std::int64_t c = 0; c < n; ++c) {
-      os.push_back(scratch_o.get() + (first + c) * part_o);
-      ls.push_back(scratch_lse.get() + (first + c) * part_lse);
-    }
+    if (u.first_part < 0) continue;
     Parts parts;
-    parts.count = static_cast<int>(n);
-    parts.o = os.data();
-    parts.lse = ls.data();
+    parts.count = static_cast<int>(u.parts);
+    parts.o = l.part_o + u.first_part;
+    parts.lse = l.part_lse + u.first_part;
     parts.o_strides = {0, g * D, D};
     parts.lse_strides = {0, u.rows};
-    detail::merge_unchecked(up, parts, o_at(u), lse != nullptr ? lse_at(u) : nullptr);
+    detail::merge_unchecked(unit_problem(u), parts, o_at(u), lse != nullptr ? lse_at(u) : nullptr,
+                            l.merge + thread_index() * (bd.plan.chunks + D));
   }
 }
 

@@ -3,12 +3,16 @@
 
 #include "mha/parallel.h"
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
+#include <string>
 
 #define MHA_KERNEL(name, isa, function, exp_ulp)                                                 \
   void function(const mha::Problem& p, const float* q, const float* k, const float* v, float* o, \
-                float* lse);
+                float* lse, mha::Workspace ws);                                                  \
+  std::size_t function##_workspace(const mha::Problem& p);
 #include "registry.inc"
 #undef MHA_KERNEL
 
@@ -17,7 +21,8 @@ namespace mha {
 const std::vector<KernelInfo>& all_kernels() {
   static const std::vector<KernelInfo> kernels = {
 // NOLINTNEXTLINE(bugprone-macro-parentheses): isa is a scoped enumerator name
-#define MHA_KERNEL(name, isa, function, exp_ulp) {#name, Isa::isa, &function, exp_ulp},
+#define MHA_KERNEL(name, isa, function, exp_ulp) \
+  {#name, Isa::isa, &function, &function##_workspace, exp_ulp},
 #include "registry.inc"
 #undef MHA_KERNEL
   };
@@ -90,22 +95,46 @@ std::string check_call(const Problem& p, const float* q, const float* k, const f
   return std::string();
 }
 
-void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
-               const float* v, float* o, float* lse, int threads) {
-  const KernelInfo* info = find_kernel(kernel);
-  if (info == nullptr) throw std::invalid_argument("unknown kernel '" + kernel + "'");
-  if (!available(*info)) {
-    throw std::invalid_argument("kernel '" + kernel + "' needs " + isa_name(info->isa) +
+namespace {
+
+// The driver's workspace of the calling thread, grown to the largest call so far.
+Workspace thread_workspace(std::size_t bytes) {
+  thread_local std::unique_ptr<unsigned char[]> data;
+  thread_local std::size_t size = 0;
+  if (bytes > size) {
+    data.reset();  // the old one first: the peak is the new size, not the sum
+    data.reset(new unsigned char[bytes]);
+    size = bytes;
+  }
+  return {data.get(), size};
+}
+
+void run(const KernelInfo& info, const Problem& p, const float* q, const float* k, const float* v,
+         float* o, float* lse, int threads) {
+  if (!available(info)) {
+    throw std::invalid_argument("kernel '" + std::string(info.name) + "' needs " +
+                                isa_name(info.isa) +
                                 ", which this CPU lacks or MHA_MAX_ISA excludes");
   }
   const std::string message = check_call(p, q, k, v, o, lse);
   if (!message.empty()) throw std::invalid_argument("mha::attention: " + message);
-  parallel_attention(info->fn, p, q, k, v, o, lse, threads);
+  if (threads <= 0) threads = default_threads();
+  const Workspace ws = thread_workspace(parallel_workspace(info.workspace, p, threads));
+  parallel_attention(info.fn, info.workspace, p, q, k, v, o, lse, threads, ws);
+}
+
+}  // namespace
+
+void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
+               const float* v, float* o, float* lse, int threads) {
+  const KernelInfo* info = find_kernel(kernel);
+  if (info == nullptr) throw std::invalid_argument("unknown kernel '" + kernel + "'");
+  run(*info, p, q, k, v, o, lse, threads);
 }
 
 void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
                float* lse, int threads) {
-  attention(best_kernel().name, p, q, k, v, o, lse, threads);
+  run(best_kernel(), p, q, k, v, o, lse, threads);
 }
 
 }  // namespace mha

@@ -340,19 +340,24 @@ Outputs run(const KernelInfo& kernel, const Inputs& in, std::int64_t misalign) {
 namespace {
 // The driver as a kernel: a stateless function reading the kernel and thread count set
 // just before the call (tests run properties on one thread).
-Kernel g_driver_kernel = nullptr;
+const KernelInfo* g_driver_kernel = nullptr;
 int g_driver_threads = 1;
-void driver(const Problem& p, const float* q, const float* k, const float* v, float* o,
-            float* lse) {
-  parallel_attention(g_driver_kernel, p, q, k, v, o, lse, g_driver_threads);
+std::size_t driver_workspace(const Problem& p) {
+  return parallel_workspace(g_driver_kernel->workspace, p, g_driver_threads);
+}
+void driver(const Problem& p, const float* q, const float* k, const float* v, float* o, float* lse,
+            Workspace ws) {
+  parallel_attention(g_driver_kernel->fn, g_driver_kernel->workspace, p, q, k, v, o, lse,
+                     g_driver_threads, ws);
 }
 }  // namespace
 
 Outputs run_driver(const KernelInfo& kernel, const Inputs& in, int threads) {
-  g_driver_kernel = kernel.fn;
+  g_driver_kernel = &kernel;
   g_driver_threads = threads;
   KernelInfo as_kernel = kernel;
   as_kernel.fn = &driver;
+  as_kernel.workspace = &driver_workspace;
   return run(as_kernel, in);
 }
 
@@ -370,7 +375,16 @@ Outputs run(const KernelInfo& kernel, const Problem& p, const Inputs& in, const 
   Outputs out;
   out.o = Guarded(o_extent(p), misalign);
   out.lse = Guarded(lse_extent(p), (misalign + 3) % 16);
-  kernel.fn(p, q, k, v, out.o.data(), out.lse.data());
+  // The workspace: exactly the size the kernel asks for, in a guarded buffer (a write past
+  // it shows) filled with the pattern (a read before a write shows as NaN in the output).
+  const std::size_t bytes = kernel.workspace(p);
+  Guarded workspace(static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float)),
+                    (misalign + 5) % 16);
+  kernel.fn(p, q, k, v, out.o.data(), out.lse.data(), Workspace{workspace.data(), bytes});
+  const std::string ws_guard = workspace.untouched_outside(
+      std::vector<bool>(static_cast<std::size_t>(workspace.size()), true));
+  if (!ws_guard.empty())
+    RC_FAIL(std::string(kernel.name) + " wrote outside its workspace: " + ws_guard);
 
   RC_ASSERT_FALSE(!in.arena.same_as(in.before));  // a kernel wrote into its inputs
   const std::string o_guard = out.o.untouched_outside(

@@ -8,19 +8,22 @@
 // the softmax denominator, one KV tile at a time:
 //
 //   for each (batch, KV head, block of R = g x Br query rows, head-major: row t is head
-//            t / Br, query row r0 + t % Br; all g heads share every KV tile):
-//     pack Q: each group of MR = 6 rows into Qp[d][6]
+//            t / Br, query row r0 + t % Br; all g heads share every KV tile):  for_each_block
+//     pack Q: each group of MR = 6 rows into Qp[d][6]; m, l, O empty           start_block
 //     for each KV tile of Bc = 128 keys some row of the block sees (causal: later tiles
 //              are skipped):
-//       pack K^T into panels Kp[panel][d][16] and V into column panels Vp[panel][key][16]
-//       S = scale log2(e) Q K^T  S microkernel: 6 rows x 16 keys, per K panel for all groups
-//       online softmax in base 2 per row: m_new = max(m, max_j S), alpha = 2^(m - m_new),
-//         P = 2^(S - m_new) in place, l = alpha l + sum_j P    (exp2 in avx2_exp.h;
-//         weights below 2^-126.5 flush to 0, which reference/tolerance.h allows)
-//       O = alpha O + P V        PV microkernel: 6 rows x 16 columns, per V panel for all
-//                                groups, alpha applied as the accumulators are loaded
-//                                (unless every alpha of the group is 1)
-//     o = O / l, lse = (m + log2 l) ln2
+//       pack K^T into panels Kp[panel][d][16]                                  pack_k
+//       S = scale log2(e) Q K^T  S microkernel: 6 rows x 16 keys, per K panel  tile_logits
+//                                for all groups
+//       online softmax in base 2 per row: m_new = max(m, max_j S),             tile_softmax
+//         alpha = 2^(m - m_new), P = 2^(S - m_new) in place, l = alpha l + sum_j P
+//         (exp2 in avx2_exp.h; weights below 2^-126.5 flush to 0, which
+//         reference/tolerance.h allows)
+//       pack V into column panels Vp[panel][key][16]                           pack_v
+//       O = alpha O + P V        PV microkernel: 6 rows x 16 columns, per V    tile_pv
+//                                panel for all groups, alpha applied as the accumulators
+//                                are loaded (unless every alpha of the group is 1)
+//     o = O / l, lse = (m + log2 l) ln2                                        finish_block
 //
 // ISA: AVX2 + FMA (the file is compiled with -mavx2 -mfma and only called when the CPU has
 // them): 8-float ymm vectors, 16 registers. Both microkernels hold a 6 x 2 grid of ymm
@@ -71,13 +74,14 @@
 // those some row of the block sees); writes only o's and lse's elements, each once.
 //
 // Layout: any strides mha::check accepts (token-major, head-major, padded, stride 0, shared
-// inputs); no alignment assumed for tensors. Scratch is 64-byte aligned.
+// inputs); no alignment assumed for tensors. Workspace arrays are 64-byte aligned.
 //
-// Scratch, allocated once per call, in floats: Bc D (Kp) + Bc D16 (Vp) + R6 D (Qp, R6 = R
-// rounded up to 6) + R Bc (S) + R D16 (O) + 8 R (row maxima) + 3 R: about 530 KiB at
-// D = 128, g = 4. Kp and Vp grow with D (2 MiB each at D = 4096).
+// Workspace (the caller's; mha_f32_attention_avx2_workspace gives its size), in floats:
+// Bc D (Kp) + Bc D16 (Vp) + R6 D (Qp, R6 = R rounded up to 6) + R Bc (S) + R D16 (O) +
+// 8 R (row maxima) + 3 R, and R int64 counts: about 530 KiB at D = 128, g = 4. Kp and Vp
+// grow with D (2 MiB each at D = 4096).
 //
-// Depends on mha/attention.h and avx2_exp.h (this folder) only.
+// Depends on mha/attention.h, mha/support.h and avx2_exp.h (this folder) only.
 #include "avx2_exp.h"
 
 #include <algorithm>
@@ -85,29 +89,26 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
-#include <vector>
 
 #include "mha/attention.h"
+#include "mha/support.h"
 
 namespace {
 
-constexpr int kRows = 6;    // MR: query rows per microkernel group
-constexpr int kPanel = 16;  // keys per K panel = columns per V panel (2 ymm)
-constexpr std::int64_t kKeys = 128;
-constexpr std::int64_t kPass = 2;             // Bc: keys per KV tile, the S buffer's row stride
-constexpr std::int64_t kBlockFloats = 32768;  // R x D16 <= this (128 KiB), at least g rows
+using mha::support::Block;
+using mha::support::Carve;
+using mha::support::round_up;
 
-std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+constexpr int kRows = 6;                      // MR: query rows per microkernel group
+constexpr int kPanel = 16;                    // keys per K panel = columns per V panel (2 ymm)
+constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, the S buffer's row stride
+constexpr std::int64_t kBlockFloats = 32768;  // R x D16 <= this (128 KiB), at least g rows
 
 // Lanes [0, n) of a ymm (none for n <= 0, all for n >= 8), as a maskload/maskstore mask.
 __m256i first_lanes(std::int64_t n) {
   const int c = static_cast<int>(std::clamp<std::int64_t>(n, 0, 8));
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
-
-// Logits relative to 0 while the running max is -inf: see blocked's subtrahend().
-float subtrahend(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
 
 float horizontal_max(__m256 x) {
   __m128 v = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -269,26 +270,6 @@ void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* al
   }
 }
 
-// Calls f(std::integral_constant<int, nr>()): a microkernel instantiated for a group of
-// nr (1 .. 6) rows.
-template <typename F>
-void for_rows(int nr, F f) {
-  switch (nr) {
-    case 6:
-      return f(std::integral_constant<int, 6>());
-    case 5:
-      return f(std::integral_constant<int, 5>());
-    case 4:
-      return f(std::integral_constant<int, 4>());
-    case 3:
-      return f(std::integral_constant<int, 3>());
-    case 2:
-      return f(std::integral_constant<int, 2>());
-    default:
-      return f(std::integral_constant<int, 1>());
-  }
-}
-
 // One row's base-2 online-softmax step over its `cols` (>= 1) logits of this tile: s
 // becomes the weights 2^(s - m_new); lanes up to the next multiple of 8 are -inf (masked
 // by the S epilogue) and become 0. rowmax: the row's 8 lane maxima over the tile.
@@ -302,7 +283,7 @@ void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, 
     a = std::exp2(m_old - m_new);  // exactly 0 when m_old is -inf
     *m = m_new;
   }
-  const __m256 base = _mm256_set1_ps(subtrahend(m_new));
+  const __m256 base = _mm256_set1_ps(mha::support::logit_shift(m_new));
   __m256 sum = _mm256_setzero_ps();
   for (std::int64_t j = 0; j < cols; j += 8) {
     const __m256 w = mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), base));
@@ -313,7 +294,8 @@ void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, 
   *alpha = a;
 }
 
-// o = acc / l and lse = (m + log2 l) ln2 (see blocked's finish_row).
+// o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
+// blocked's finish_row).
 void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
                 float* o, float* lse) {
   const __m256 lv = _mm256_set1_ps(l);  // a division: one rounding, as the tolerance assumes
@@ -327,13 +309,7 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
     }
   }
   if (lse == nullptr) return;
-  if (visible == 0) {
-    *lse = -std::numeric_limits<float>::infinity();
-  } else if (l == 0.0f) {  // every logit -inf: o is 0 / 0 = NaN, and so is lse
-    *lse = std::numeric_limits<float>::quiet_NaN();
-  } else {
-    *lse = (subtrahend(m) + std::log2(l)) * 0.693147180559945309f;
-  }
+  *lse = visible == 0 ? -std::numeric_limits<float>::infinity() : mha::support::row_lse_base2(m, l);
 }
 
 // Software prefetch of the tensor rows a later phase packs, a few cache lines per
@@ -371,160 +347,188 @@ class RowPrefetch {
   std::int64_t seq_ = 0, last_ = 0, lines_ = 1, line_ = 0, rows_left_ = 0, per_step_ = 0;
 };
 
-// 64-byte aligned scratch.
-class Scratch {
- public:
-  explicit Scratch(std::int64_t floats) : buffer_(static_cast<std::size_t>(floats + 16)) {}
-  // The next n floats (a multiple of 16 keeps the alignment).
-  float* take(std::int64_t n) {
-    const auto base = reinterpret_cast<std::uintptr_t>(buffer_.data());
-    float* p = reinterpret_cast<float*>((base + 63) / 64 * 64) + used_;
-    used_ += round_up(n, 16);
-    return p;
-  }
-
- private:
-  std::vector<float> buffer_;
-  std::int64_t used_ = 0;
+// The kernel's arrays in the caller's workspace, sized for the largest block
+// (R = g x Br rows, R6 = R rounded up to 6).
+struct Scratch {
+  std::int64_t dim16;  // head_dim rounded up to 16: O's row stride, V panels x 16
+  float* kp;           // [Bc / 16][head_dim][16]: the K tile, packed
+  float* vp;           // [dim16 / 16][Bc][16]: the V tile, packed
+  float* qp;           // [R6 / 6][head_dim][6]: the block's Q, packed
+  float* s;            // [R][Bc]: logits, then weights
+  float* acc;          // [R][dim16]: O
+  float* rowmax;       // [R][8]: lane maxima of the tile's logits
+  float* m;            // [R]: running maxima (base 2)
+  float* l;            // [R]: running sums
+  float* alpha;        // [R]: this tile's rescale factors
+  std::int64_t* cols;  // [R]: keys of this tile each row sees
 };
 
-}  // namespace
-
-void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* k, const float* v,
-                            float* o, float* lse) {
+// Br: as many rows of each head as keep R x D16 (O, and so Qp and S) within kBlockFloats.
+std::int64_t rows_per_head(const mha::Problem& p) {
   const std::int64_t group = p.q_heads / p.kv_heads;
+  return std::clamp(kBlockFloats / (group * round_up(p.head_dim, kPanel)), std::int64_t{1},
+                    p.q_len);
+}
+
+Scratch carve(const mha::Problem& p, Carve& carve) {
   const std::int64_t dim = p.head_dim;
-  const std::int64_t dim16 = round_up(dim, kPanel);  // O row stride, V panels x 16
-  const std::int64_t rows_per_head =
-      std::clamp(kBlockFloats / (group * dim16), std::int64_t{1}, p.q_len);
-  const std::int64_t max_rows = group * rows_per_head;
-  const std::int64_t max_groups = (max_rows + kRows - 1) / kRows;
-  // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
-  const float c = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+  const std::int64_t rows = p.q_heads / p.kv_heads * rows_per_head(p);
+  Scratch s;
+  s.dim16 = round_up(dim, kPanel);
+  s.kp = carve.take<float>(kKeys * dim);
+  s.vp = carve.take<float>(s.dim16 * kKeys);
+  s.qp = carve.take<float>(round_up(rows, kRows) * dim);
+  s.s = carve.take<float>(rows * kKeys);
+  s.acc = carve.take<float>(rows * s.dim16);
+  s.rowmax = carve.take<float>(8 * rows);
+  s.m = carve.take<float>(rows);
+  s.l = carve.take<float>(rows);
+  s.alpha = carve.take<float>(rows);
+  s.cols = carve.take<std::int64_t>(rows);
+  return s;
+}
 
-  // Sizes in floats, each taken rounded up to 16.
-  const std::int64_t sizes[] = {kKeys * dim,      dim16 * kKeys,    max_groups * kRows * dim,
-                                max_rows * kKeys, max_rows * dim16, 8 * max_rows,
-                                max_rows,         max_rows,         max_rows};
-  std::int64_t total = 0;
-  for (std::int64_t n : sizes) total += round_up(n, 16);
-  Scratch scratch(total);
-  float* const kp = scratch.take(sizes[0]);      // [kKeys / 16][dim][16]
-  float* const vp = scratch.take(sizes[1]);      // [dim16 / 16][kKeys][16]
-  float* const qp = scratch.take(sizes[2]);      // [groups][dim][6]
-  float* const s = scratch.take(sizes[3]);       // [rows][kKeys]
-  float* const acc = scratch.take(sizes[4]);     // [rows][dim16]
-  float* const rowmax = scratch.take(sizes[5]);  // [rows][8]
-  float* const m = scratch.take(sizes[6]);
-  float* const l = scratch.take(sizes[7]);
-  float* const alpha = scratch.take(sizes[8]);
-  std::vector<std::int64_t> cols(static_cast<std::size_t>(max_rows));
+// The KV tile of keys [c0, c0 + keys) in the block's loop: its K and V rows.
+struct Tile {
+  std::int64_t c0, keys;
+  const float* k;  // [keys][head_dim], row stride p.k.seq
+  const float* v;  // [keys][head_dim], row stride p.v.seq
+};
 
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      const std::int64_t head0 = kv_head * group;
+// The number of the block's microkernel groups of kRows rows.
+std::int64_t groups(const Block& block) { return (block.rows + kRows - 1) / kRows; }
 
-      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += rows_per_head) {
-        // Block row t is query head head0 + t / br, query row r0 + t % br.
-        const std::int64_t br = std::min(rows_per_head, p.q_len - r0);
-        const std::int64_t rows = group * br;
-        for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
-          const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
-          const float* qr[kRows];
-          for (int r = 0; r < nr; ++r) {
-            const std::int64_t t = t0 + r;
-            qr[r] = q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head;
-          }
-          pack_q(qr, nr, dim, qp + t0 * dim);
-        }
-        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-        std::fill(l, l + rows, 0.0f);
-        std::fill(acc, acc + rows * dim16, 0.0f);
+// The phases of one block, in the order the file's header lists them.
 
-        const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
-        for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
-          const std::int64_t tile_keys = std::min(kKeys, block_keys - c0);
-          for (std::int64_t t = 0; t < rows; ++t) {  // the tile's keys row t sees: a prefix
-            cols[t] =
-                std::clamp(mha::visible_keys(p, r0 + t % br) - c0, std::int64_t{0}, tile_keys);
-          }
-          pack_k(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, kp);
-          // V of this tile arrives during S, K of the next one during P V.
-          const std::int64_t groups = (rows + kRows - 1) / kRows;
-          const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
-          RowPrefetch v_ahead(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim,
-                              groups * ((tile_keys + kPanel - 1) / kPanel));
-          RowPrefetch k_ahead;
-          if (next_keys > 0) {
-            k_ahead = RowPrefetch(k_head + (c0 + kKeys) * p.k.seq, p.k.seq, next_keys, dim,
-                                  groups * (dim16 / kPanel));
-          }
+// Qp for every group of kRows block rows; m, l and O start empty.
+void start_block(const mha::Problem& p, const Block& block, const float* q, const Scratch& s) {
+  for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+    const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+    const float* qr[kRows];
+    for (int r = 0; r < nr; ++r) qr[r] = block.q_row(p, q, t0 + r);
+    pack_q(qr, nr, p.head_dim, s.qp + t0 * p.head_dim);
+  }
+  std::fill(s.m, s.m + block.rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l, s.l + block.rows, 0.0f);
+  std::fill(s.acc, s.acc + block.rows * s.dim16, 0.0f);
+}
 
-          // S, panel by panel, each panel reused by every group from L1.
-          std::fill(rowmax, rowmax + 8 * rows, -std::numeric_limits<float>::infinity());
-          for (std::int64_t j0 = 0; j0 < tile_keys; j0 += kPanel) {
-            for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
-              const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
-              std::int64_t limit[kRows], most = 0;
-              for (int r = 0; r < nr; ++r) {
-                limit[r] = cols[t0 + r] - j0;
-                most = std::max(most, limit[r]);
-              }
-              if (most <= 0) continue;  // no row of the group sees this panel
-              for_rows(nr, [&](auto mr) {
-                logits_tile<decltype(mr)::value>(qp + t0 * dim, kp + j0 * dim, dim, c, limit,
-                                                 s + t0 * kKeys + j0, rowmax + 8 * t0);
-              });
-              v_ahead.step();
-            }
-          }
-          for (std::int64_t t = 0; t < rows; ++t) {
-            alpha[t] = 1.0f;
-            if (cols[t] > 0)
-              online_softmax(s + t * kKeys, cols[t], rowmax + 8 * t, m + t, l + t, alpha + t);
-          }
+// S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1;
+// rowmax takes each row's lane maxima. Steps v_ahead once per microkernel call.
+void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, float c,
+                 const Scratch& s, RowPrefetch& v_ahead) {
+  std::fill(s.rowmax, s.rowmax + 8 * block.rows, -std::numeric_limits<float>::infinity());
+  for (std::int64_t j0 = 0; j0 < tile.keys; j0 += kPanel) {
+    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+      std::int64_t limit[kRows], most = 0;
+      for (int r = 0; r < nr; ++r) {
+        limit[r] = s.cols[t0 + r] - j0;
+        most = std::max(most, limit[r]);
+      }
+      if (most <= 0) continue;  // no row of the group sees this panel
+      mha::support::with_count<kRows>(nr, [&](auto rows) {
+        logits_tile<decltype(rows)::value>(s.qp + t0 * p.head_dim, s.kp + j0 * p.head_dim,
+                                           p.head_dim, c, limit, s.s + t0 * kKeys + j0,
+                                           s.rowmax + 8 * t0);
+      });
+      v_ahead.step();
+    }
+  }
+}
 
-          // O = alpha O + P V, column panel by column panel.
-          pack_v(v_head + c0 * p.v.seq, p.v.seq, tile_keys, dim, vp);
-          for (std::int64_t c16 = 0; c16 < dim16; c16 += kPanel) {
-            const float* panel = vp + (c16 / kPanel) * kKeys * kPanel;
-            for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
-              const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
-              std::int64_t shared = tile_keys, most = 0;
-              for (int r = 0; r < nr; ++r) {
-                shared = std::min(shared, cols[t0 + r]);
-                most = std::max(most, cols[t0 + r]);
-              }
-              if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
-              k_ahead.step();
-              float* o_rows = acc + t0 * dim16 + c16;
-              // No rescale once the group's maxima have settled (every alpha 1).
-              bool rescale = false;
-              for (int r = 0; r < nr; ++r) rescale |= alpha[t0 + r] != 1.0f;
-              for_rows(nr, [&](auto mr) {
-                pv_tile<decltype(mr)::value>(s + t0 * kKeys, shared, panel,
-                                             rescale ? alpha + t0 : nullptr, o_rows, dim16);
-              });
-              for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
-                const std::int64_t extra = cols[t0 + r] - shared;
-                if (extra > 0) {
-                  pv_tile<1>(s + (t0 + r) * kKeys + shared, extra, panel + shared * kPanel, nullptr,
-                             o_rows + r * dim16, dim16);
-                }
-              }
-            }
-          }
-        }
+// The online-softmax step of every row: S becomes the weights P, alpha the rescale factor.
+void tile_softmax(const Block& block, const Scratch& s) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    s.alpha[t] = 1.0f;
+    if (s.cols[t] > 0) {
+      online_softmax(s.s + t * kKeys, s.cols[t], s.rowmax + 8 * t, s.m + t, s.l + t, s.alpha + t);
+    }
+  }
+}
 
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t row = r0 + t % br, head = head0 + t / br;
-          finish_row(acc + t * dim16, m[t], l[t], mha::visible_keys(p, row), dim,
-                     o + b * p.o.batch + row * p.o.seq + head * p.o.head,
-                     lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
+// O = alpha O + P V, V panel by V panel, each reused by every group from L1: keys every row
+// of a group sees through the group's microkernel, each row's extra keys (the causal
+// diagonal) through a 1-row pass. Steps k_ahead once per group.
+void tile_pv(const Block& block, const Tile& tile, const Scratch& s, RowPrefetch& k_ahead) {
+  for (std::int64_t c16 = 0; c16 < s.dim16; c16 += kPanel) {
+    const float* panel = s.vp + (c16 / kPanel) * kKeys * kPanel;
+    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+      std::int64_t shared = tile.keys, most = 0;
+      for (int r = 0; r < nr; ++r) {
+        shared = std::min(shared, s.cols[t0 + r]);
+        most = std::max(most, s.cols[t0 + r]);
+      }
+      if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
+      k_ahead.step();
+      float* o_rows = s.acc + t0 * s.dim16 + c16;
+      // No rescale once the group's maxima have settled (every alpha 1).
+      bool rescale = false;
+      for (int r = 0; r < nr; ++r) rescale |= s.alpha[t0 + r] != 1.0f;
+      mha::support::with_count<kRows>(nr, [&](auto rows) {
+        pv_tile<decltype(rows)::value>(s.s + t0 * kKeys, shared, panel,
+                                       rescale ? s.alpha + t0 : nullptr, o_rows, s.dim16);
+      });
+      for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
+        const std::int64_t extra = s.cols[t0 + r] - shared;
+        if (extra > 0) {
+          pv_tile<1>(s.s + (t0 + r) * kKeys + shared, extra, panel + shared * kPanel, nullptr,
+                     o_rows + r * s.dim16, s.dim16);
         }
       }
     }
   }
+}
+
+// o = O / l, lse = (m + log2 l) ln 2 for every block row.
+void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
+                  float* lse) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    finish_row(s.acc + t * s.dim16, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), p.head_dim,
+               block.o_row(p, o, t), block.lse_at(p, lse, t));
+  }
+}
+
+}  // namespace
+
+std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) {
+  return mha::support::workspace_bytes([&](Carve& c) { carve(p, c); });
+}
+
+void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* k, const float* v,
+                            float* o, float* lse, mha::Workspace ws) {
+  const std::int64_t dim = p.head_dim;
+  // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
+  const float c = static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
+  Carve workspace(ws.data);
+  const Scratch s = carve(p, workspace);
+
+  mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
+    start_block(p, block, q, s);
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    const std::int64_t block_keys = block.keys(p);
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
+      const std::int64_t keys = std::min(kKeys, block_keys - c0);
+      const Tile tile{c0, keys, k_head + c0 * p.k.seq, v_head + c0 * p.v.seq};
+      for (std::int64_t t = 0; t < block.rows; ++t)
+        s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
+      // V of this tile arrives during S, K of the next one during P V.
+      const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
+      RowPrefetch v_ahead(tile.v, p.v.seq, keys, dim,
+                          groups(block) * ((keys + kPanel - 1) / kPanel));
+      RowPrefetch k_ahead;
+      if (next_keys > 0) {
+        k_ahead = RowPrefetch(tile.k + kKeys * p.k.seq, p.k.seq, next_keys, dim,
+                              groups(block) * (s.dim16 / kPanel));
+      }
+      pack_k(tile.k, p.k.seq, keys, dim, s.kp);
+      tile_logits(p, block, tile, c, s, v_ahead);
+      tile_softmax(block, s);
+      pack_v(tile.v, p.v.seq, keys, dim, s.vp);
+      tile_pv(block, tile, s, k_ahead);
+    }
+    finish_block(p, block, s, o, lse);
+  });
 }

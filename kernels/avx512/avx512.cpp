@@ -6,16 +6,20 @@
 // g = q_heads / kv_heads), o = softmax(scale * q k^T + causal mask) v and lse = the log of
 // the softmax denominator, one KV tile at a time:
 //
-//   for each (batch, KV head, block of R = g x Br query rows):  all g heads share each tile
-//     pack the block's Q transposed, Q^T[d][32] per strip of 32 rows, once
+//   for each (batch, KV head, block of R = g x Br query rows):           for_each_block
+//     pack the block's Q transposed, Q^T[d][32] per strip of 32 rows,     start_block
+//       once; all g heads share each KV tile
 //     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped):
-//       copy the tile's K and V rows to buffers with a padded row stride (decode-sized
-//       blocks read suitably strided rows in place instead)
+//       copy the tile's K and V rows to buffers with a padded row stride  copy_rows
+//       (decode-sized blocks read suitably strided rows in place instead)
 //       for each strip of 32 rows (2 zmm):
-//         S^T = scale log2(e) K Q^T    microkernel: 12 keys x 32 rows, K broadcast
-//         online softmax in base 2, 16 rows per vector: running max m, sum l; P^T = 2^(S^T - m)
-//         O^T = alpha O^T + V^T P^T    microkernel: 12 columns x 32 rows, V broadcast
-//     o = O / l, lse = (m + log2 l) ln 2
+//         S^T = scale log2(e) K Q^T    microkernel: 12 keys x 32 rows,   strip_logits
+//                                      K broadcast
+//         online softmax in base 2, 16 rows per vector: running max m,   strip_softmax
+//           sum l; P^T = 2^(S^T - m)
+//         O^T = alpha O^T + V^T P^T    microkernel: 12 columns x 32      strip_pv
+//                                      rows, V broadcast
+//     o = O / l, lse = (m + log2 l) ln 2                                  finish_block
 //
 // Why transposed. The broadcast operands of both products are rows of K and V as they are
 // (12 key rows of K, one row of V at a time), so K and V are never transposed: each tile's
@@ -67,12 +71,12 @@
 // only those some row of the block sees); writes only o's and lse's elements. Reads
 // nothing past the end of any tensor.
 //
-// Scratch, allocated once per call, in floats (R' = R rounded up to 32; ldkv = D rounded up
-// to 16, plus 16): D x R' (Q^T) + 32 Bc (S^T) + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K
-// and V copies), and R' int32 counts: about 670 KiB at D = 128, g = 4. Decode needs
-// g x q_len x D floats and 32 more.
+// Workspace (the caller's; mha_f32_attention_avx512_workspace gives its size), in floats
+// (R' = R rounded up to 32; ldkv = D rounded up to 16, plus 16): D x R' (Q^T) + 32 Bc (S^T)
+// + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K and V copies), and R' int32 counts: about
+// 670 KiB at D = 128, g = 4. Decode needs g x q_len x D16 floats and 64 more.
 //
-// Depends on mha/attention.h and avx512_exp.h (this folder) only.
+// Depends on mha/attention.h, mha/support.h and avx512_exp.h (this folder) only.
 // avx512_exp.h first: it includes immintrin.h (see there why).
 #include "avx512_exp.h"
 
@@ -81,11 +85,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <type_traits>
-#include <vector>
 
 #include "mha/attention.h"
+#include "mha/support.h"
 
 namespace {
 
@@ -96,13 +98,11 @@ constexpr std::int64_t kBlockRows = 512;      // R, rows of a block, when g and 
 constexpr std::int64_t kBlockFloats = 65536;  // R x D: the block's Q^T (and O^T), 256 KiB
 constexpr std::int64_t kSmallBlockRows = 64;  // decode-sized blocks: see `small` below
 
-constexpr double kLog2e = 1.4426950408889634;
-constexpr double kLn2 = 0.69314718055994530942;
-
-struct Tiling {
-  std::int64_t keys;           // Bc: keys per KV tile
-  std::int64_t rows_per_head;  // Br: query rows per head in one block
-};
+using mha::support::Block;
+using mha::support::Carve;
+using mha::support::round_up;
+using mha::support::Tiling;
+using mha::support::with_count;
 
 Tiling choose_tiling(const mha::Problem& p) {
   const std::int64_t group = p.q_heads / p.kv_heads;
@@ -114,14 +114,9 @@ Tiling choose_tiling(const mha::Problem& p) {
   return t;
 }
 
-std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
-
-// Logits relative to 0 while the running max is -inf: see blocked's subtrahend().
-float subtrahend(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
-
 // scale log2(e) rounded once, in every lane: the logits' base change (tolerance.h counts it).
 __m512 logit_scale_of(const mha::Problem& p) {
-  return _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * kLog2e));
+  return _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e));
 }
 
 // op over the 16 lanes, by halving (shuffles; not _mm512_reduce_*_ps, inside which GCC 12
@@ -144,50 +139,6 @@ float lanes_sum(__m512 x) {
 // Lanes (query rows) that see key j: those whose visible-key count exceeds j.
 __mmask16 sees(__m512i cols, std::int64_t j) {
   return _mm512_cmpgt_epi32_mask(cols, _mm512_set1_epi32(static_cast<int>(j)));
-}
-
-// f(std::integral_constant<int, n>{}) for n in 1 .. kMr: a microkernel's key or column
-// count as a compile-time constant.
-template <typename F>
-void with_count(std::int64_t n, F&& f) {
-  switch (n) {
-    case 12:
-      f(std::integral_constant<int, 12>{});
-      break;
-    case 11:
-      f(std::integral_constant<int, 11>{});
-      break;
-    case 10:
-      f(std::integral_constant<int, 10>{});
-      break;
-    case 9:
-      f(std::integral_constant<int, 9>{});
-      break;
-    case 8:
-      f(std::integral_constant<int, 8>{});
-      break;
-    case 7:
-      f(std::integral_constant<int, 7>{});
-      break;
-    case 6:
-      f(std::integral_constant<int, 6>{});
-      break;
-    case 5:
-      f(std::integral_constant<int, 5>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      break;
-    default:
-      f(std::integral_constant<int, 1>{});
-      break;
-  }
 }
 
 // Brings KV rows into L2 ahead of their use: the next tile's K and V rows while the
@@ -378,8 +329,8 @@ void online_softmax(float* st, std::int64_t ld, std::int64_t keys, __m512i cols,
   const __m512 m_old = _mm512_load_ps(m);
   const __m512 m_new =
       _mm512_max_ps(_mm512_max_ps(_mm512_max_ps(mv[0], mv[1]), _mm512_max_ps(mv[2], mv[3])), m_old);
-  // Logits relative to 0 while a row's max is -inf (no finite logit yet): see blocked's
-  // subtrahend(). alpha is 2^-inf = 0 when m_old is -inf, 1 when the max did not grow.
+  // Logits relative to 0 while a row's max is -inf (no finite logit yet): see
+  // mha::support::logit_shift. alpha is 2^-inf = 0 when m_old is -inf, 1 when the max did not grow.
   const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
                                            _mm512_setzero_ps());
   const __m512 a = mha::avx512::exp2_nonpositive(_mm512_sub_ps(m_old, base));
@@ -410,11 +361,7 @@ void finish_row(const float* acc, std::int64_t acc_stride, float m, float l, std
     return;
   }
   for (std::int64_t d = 0; d < head_dim; ++d) o[d] = acc[d * acc_stride] / l;
-  if (lse != nullptr) {
-    *lse = l == 0.0f ? std::numeric_limits<float>::quiet_NaN()
-                     : static_cast<float>(static_cast<double>(subtrahend(m)) * kLn2 +
-                                          std::log(static_cast<double>(l)));
-  }
+  if (lse != nullptr) *lse = mha::support::row_lse_base2(m, l);
 }
 
 // r[i][j] <-> r[j][i]: a 16 x 16 transpose in 64 shuffles (pairs of rows, then quads,
@@ -557,315 +504,387 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
 // prefetched; a row reads only the keys it sees, so masked V rows are never touched.
 constexpr std::int64_t kDecodeKeys = 32;
 
+// Decode's arrays in the caller's workspace.
+struct DecodeScratch {
+  std::int64_t d16;  // head_dim rounded up to 16: an accumulator's length
+  float* acc;        // [rows][d16]: O
+  float* weights;    // [kDecodeKeys]: one row's logits, then its weights
+  float* m;          // [16]: running maxima (base 2)
+  float* l;          // [16]: running sums
+};
+
+DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
+  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < 16
+  DecodeScratch s;
+  s.d16 = round_up(p.head_dim, 16);
+  s.acc = carve.take<float>(rows * s.d16);
+  s.weights = carve.take<float>(kDecodeKeys);
+  s.m = carve.take<float>(16);
+  s.l = carve.take<float>(16);
+  return s;
+}
+
+// f(vectors, d0, last) for each slice [d0, d0 + 128) of head_dim: `vectors` (1 .. 8) zmm as
+// a compile-time constant, the last one's lanes limited to `last`.
+template <typename F>
+void for_each_slice(std::int64_t dim, F&& f) {
+  for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
+    with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
+      constexpr int kVectors = decltype(vectors)::value;
+      f(vectors, d0, first_lanes(dim - d0 - 16 * (kVectors - 1)));
+    });
+  }
+}
+
+// Base-2 logits of one row's `cols` keys, 16 at a time, into s.weights: key i's dot product
+// in a[i], over slices of 128 columns of head_dim whose q part stays in registers. Returns
+// the lane maxima (NaN logits left out).   k_tile: [cols][head_dim], row stride k_seq
+__m512 decode_logits(const float* q_row, const float* k_tile, std::int64_t k_seq, std::int64_t cols,
+                     std::int64_t dim, __m512 logit_scale, const DecodeScratch& s, Prefetch& next) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+    const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+    const float* keys = k_tile + j0 * k_seq;
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+    for_each_slice(dim, [&](auto vectors, std::int64_t d0, __mmask16 last) {
+      dot_16_keys<decltype(vectors)::value>(q_row + d0, keys + d0, k_seq, nk, last, a);
+      next.step();
+    });
+    const __m512 x = _mm512_mul_ps(sum_lanes16(a), logit_scale);
+    _mm512_storeu_ps(s.weights + j0, x);
+    // VMAXPS returns its second source when either is NaN: NaN logits stay out.
+    mv = _mm512_mask_max_ps(mv, first_lanes(nk), x, mv);
+  }
+  return mv;
+}
+
+// One row's online-softmax step: its logits in s.weights become weights, m and l move on;
+// returns alpha, the factor O is rescaled by (by the vector 2^x: its error cancels, O and
+// l get the same factor).
+float decode_softmax(std::int64_t cols, __m512 lane_max, float* m, float* l,
+                     const DecodeScratch& s) {
+  const float tile_max = lanes_max(lane_max);  // no lane is NaN
+  float alpha = 1.0f;
+  if (tile_max > *m) {
+    alpha = _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(*m - tile_max)));
+    *m = tile_max;  // alpha is 0 when the old max is -inf
+  }
+  const __m512 base = _mm512_set1_ps(mha::support::logit_shift(*m));
+  __m512 sum = _mm512_setzero_ps();
+  for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+    const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+    const __m512 w = _mm512_maskz_mov_ps(
+        first_lanes(nk),
+        mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s.weights + j0), base)));
+    _mm512_storeu_ps(s.weights + j0, w);
+    sum = _mm512_add_ps(sum, w);
+  }
+  *l = *l * alpha + lanes_sum(sum);
+  return alpha;
+}
+
+// Decode: fewer than 16 query rows (g x q_len) per KV head, one block per KV head:
+//
+//   for each (batch, KV head): its g x q_len rows                       for_each_block
+//     for each tile of kDecodeKeys keys, the next one prefetched:
+//       for each row that sees a key of the tile:
+//         S: 16 keys' dot products at once                              decode_logits
+//         online softmax, base 2                                        decode_softmax
+//         O = alpha O + P V, 8 zmm of head_dim at a time                add_weighted_rows
+//     o = O / l, lse = (m + log2 l) ln 2                                finish_row
 void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
-                 float* lse) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
+                 float* lse, mha::Workspace ws) {
   const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = group * p.q_len;  // < 16
-  const std::int64_t d16 = round_up(dim, 16);
-  std::vector<float> acc_rows(static_cast<std::size_t>(rows * d16));
-  std::vector<float> weights(static_cast<std::size_t>(kDecodeKeys));
+  Carve workspace(ws.data);
+  const DecodeScratch s = carve_decode(p, workspace);
   const __m512 logit_scale = logit_scale_of(p);
+  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;
   const std::int64_t steps = rows * (kDecodeKeys / 16 * ((dim + 127) / 128) + kDecodeKeys);
-  const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      // Row t: query head kv_head g + t / q_len, query row t % q_len.
-      const auto q_row = [&](std::int64_t t) {
-        return q + b * p.q.batch + (t % p.q_len) * p.q.seq +
-               (kv_head * group + t / p.q_len) * p.q.head;
-      };
-      float ms[16], ls[16];
-      std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
-      std::fill(ls, ls + rows, 0.0f);
-      std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
-      const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
-      Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(kDecodeKeys, block_keys), dim, 1).all();
+  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+    std::fill(s.m, s.m + block.rows, -std::numeric_limits<float>::infinity());
+    std::fill(s.l, s.l + block.rows, 0.0f);
+    std::fill(s.acc, s.acc + block.rows * s.d16, 0.0f);
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    const std::int64_t block_keys = block.keys(p);
+    Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(kDecodeKeys, block_keys), dim, 1).all();
 
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kDecodeKeys) {
-        const std::int64_t tile_keys = std::min(kDecodeKeys, block_keys - c0);
-        Prefetch next(k_head + (c0 + kDecodeKeys) * p.k.seq, p.k.seq,
-                      v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
-                      std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
-                      steps);
-        const float* k_tile = k_head + c0 * k_seq;
-        const float* v_tile = v_head + c0 * v_seq;
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t cols =
-              std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, tile_keys);
-          if (cols == 0) continue;
-          const float* qr = q_row(t);
-          // Base-2 logits of the row's `cols` keys, 16 at a time: key i's dot product in
-          // a[i], over slices of 128 columns of head_dim whose q part stays in registers.
-          __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-            const float* keys = k_tile + j0 * k_seq;
-            __m512 a[16];
-            for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-            for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
-              with_count((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-                dot_16_keys<decltype(vectors)::value>(
-                    qr + d0, keys + d0, k_seq, nk,
-                    first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
-              });
-              next.step();
-            }
-            const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
-            _mm512_storeu_ps(weights.data() + j0, s);
-            // VMAXPS returns its second source when either is NaN: NaN logits stay out.
-            mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
-          }
-          // alpha by the vector 2^x (its error cancels: O and l get the same factor).
-          const float tile_max = lanes_max(mv);  // no lane of mv is NaN
-          float alpha = 1.0f;
-          if (tile_max > ms[t]) {
-            // 0 when the old max is -inf.
-            alpha =
-                _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
-            ms[t] = tile_max;
-          }
-          const __m512 base = _mm512_set1_ps(subtrahend(ms[t]));
-          __m512 sum = _mm512_setzero_ps();
-          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-            const __m512 w = _mm512_maskz_mov_ps(
-                first_lanes(nk), mha::avx512::exp2_nonpositive(
-                                     _mm512_sub_ps(_mm512_loadu_ps(weights.data() + j0), base)));
-            _mm512_storeu_ps(weights.data() + j0, w);
-            sum = _mm512_add_ps(sum, w);
-          }
-          ls[t] = ls[t] * alpha + lanes_sum(sum);
-          // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
-          float* acc = acc_rows.data() + t * d16;
-          const __m512 av = _mm512_set1_ps(alpha);
-          for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
-            with_count((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-              add_weighted_rows<decltype(vectors)::value>(
-                  weights.data(), cols, v_tile + d0, v_seq,
-                  first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
-            });
-          }
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += kDecodeKeys) {
+      const std::int64_t tile_keys = std::min(kDecodeKeys, block_keys - c0);
+      Prefetch next(k_head + (c0 + kDecodeKeys) * p.k.seq, p.k.seq,
+                    v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
+                    std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
+                    steps);
+      const float* k_tile = k_head + c0 * p.k.seq;
+      const float* v_tile = v_head + c0 * p.v.seq;
+      for (std::int64_t t = 0; t < block.rows; ++t) {
+        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
+        if (cols == 0) continue;
+        const __m512 lane_max =
+            decode_logits(block.q_row(p, q, t), k_tile, p.k.seq, cols, dim, logit_scale, s, next);
+        const __m512 alpha = _mm512_set1_ps(decode_softmax(cols, lane_max, s.m + t, s.l + t, s));
+        float* acc = s.acc + t * s.d16;
+        for_each_slice(dim, [&](auto vectors, std::int64_t d0, __mmask16 last) {
+          add_weighted_rows<decltype(vectors)::value>(s.weights, cols, v_tile + d0, p.v.seq, last,
+                                                      acc + d0, alpha, next);
+        });
+      }
+    }
+
+    for (std::int64_t t = 0; t < block.rows; ++t) {
+      finish_row(s.acc + t * s.d16, 1, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), dim,
+                 block.o_row(p, o, t), block.lse_at(p, lse, t));
+    }
+  });
+}
+
+// Prefill's arrays in the caller's workspace, for blocks of up to R rows (R' = R rounded up
+// to 32). Q^T and O^T are strip-major: the 32 rows of a strip are one contiguous
+// [head_dim][32] panel, 16 KiB in 4 pages at D = 128 (stored [d][R], a strip's lines lay
+// 1 KiB apart over 34 pages; strip-major measured 1-2.5% faster at D = 128). S^T is one
+// [Bc][32] panel, reused by every strip. Within a panel, rows are kStrip apart.
+struct Scratch {
+  std::int64_t ldkv;   // row stride of the K and V copies: head_dim rounded up to 16, plus 16
+                       // (an odd number of cache lines, so that rows spread over the L1 sets)
+  float* qt;           // per strip [head_dim][32]: Q^T
+  float* st;           // [Bc][32]: the strip's S^T, then P^T
+  float* ot;           // per strip [head_dim][32]: O^T
+  float* m;            // [R']: running maxima (base 2)
+  float* l;            // [R']: running sums
+  float* alpha;        // [R']: this tile's rescale factors
+  float* k_tile;       // [Bc][ldkv]: the K tile's rows
+  float* v_tile;       // [Bc][ldkv]: the V tile's rows
+  std::int32_t* cols;  // [R']: keys of this tile each row sees
+};
+
+Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
+  const std::int64_t dim = p.head_dim;
+  const std::int64_t block_rows = round_up(p.q_heads / p.kv_heads * tiling.rows_per_head, kStrip);
+  Scratch s;
+  s.ldkv = round_up(dim, 16) + 16;
+  s.qt = carve.take<float>(dim * block_rows);
+  s.st = carve.take<float>(tiling.keys * kStrip);
+  s.ot = carve.take<float>(dim * block_rows);
+  s.m = carve.take<float>(block_rows);
+  s.l = carve.take<float>(block_rows);
+  s.alpha = carve.take<float>(block_rows);
+  s.k_tile = carve.take<float>(tiling.keys * s.ldkv);
+  s.v_tile = carve.take<float>(tiling.keys * s.ldkv);
+  s.cols = carve.take<std::int32_t>(block_rows);
+  return s;
+}
+
+// Whether a problem takes the decode path.
+bool decodes(const mha::Problem& p) { return p.q_heads / p.kv_heads * p.q_len < 16; }
+
+// The KV tile of keys [c0, c0 + keys) in the block's loop, and the rows the microkernels
+// read its K and V from: the tensors' own, or their copies.
+struct Tile {
+  std::int64_t c0, keys;
+  Rows k, v;
+};
+
+// A strip of 32 (or, last, 16) block rows from row s0, and the keys of the tile some row of
+// it sees (S is computed up to there) and all of its rows see (P V without masks up to there).
+struct Strip {
+  std::int64_t s0, rows, most, shared;
+};
+
+// The phases of one block, in the order the file's header lists them.
+
+// Q^T of the block's rows, rows past `rows` (up to a multiple of 16) zero padding; m, l
+// and O^T start empty. Returns the padded row count.
+std::int64_t start_block(const mha::Problem& p, const Block& block, const float* q,
+                         const Scratch& s) {
+  const std::int64_t padded = round_up(block.rows, 16);
+  for (std::int64_t t0 = 0; t0 < padded; t0 += 16) {
+    const float* row[16];
+    for (std::int64_t i = 0; i < 16; ++i) {
+      row[i] = t0 + i < block.rows ? block.q_row(p, q, t0 + i) : nullptr;
+    }
+    pack_rows16(row, p.head_dim, panel_lane(s.qt, t0, p.head_dim));
+  }
+  std::fill(s.m, s.m + padded, -std::numeric_limits<float>::infinity());
+  std::fill(s.l, s.l + padded, 0.0f);
+  std::fill(s.ot, s.ot + round_up(padded, kStrip) * p.head_dim, 0.0f);
+  return padded;
+}
+
+// S^T = scale log2(e) K Q^T for the strip, 12 keys at a time.
+void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, __m512 logit_scale,
+                  const Scratch& s, Prefetch* pf) {
+  for (std::int64_t j = 0; j < strip.most; j += kMr) {
+    with_count<kMr>(strip.most - j, [&](auto keys) {
+      constexpr int kKeys = decltype(keys)::value;
+      const float* qt = panel_lane(s.qt, strip.s0, p.head_dim);
+      const float* k_rows = tile.k.at + j * tile.k.seq;
+      if (strip.rows == 32) {
+        logits_tile<kKeys, 2>(qt, kStrip, k_rows, tile.k.seq, p.head_dim, logit_scale,
+                              s.st + j * kStrip, pf);
+      } else {
+        logits_tile<kKeys, 1>(qt, kStrip, k_rows, tile.k.seq, p.head_dim, logit_scale,
+                              s.st + j * kStrip, pf);
+      }
+    });
+  }
+}
+
+// The online softmax, 16 rows at a time; masks only where a row sees part of the keys (the
+// causal diagonal and the zero padding).
+void strip_softmax(const Block& block, const Strip& strip, const Scratch& s) {
+  for (std::int64_t r = strip.s0; r < strip.s0 + strip.rows; r += 16) {
+    const __m512i c = _mm512_loadu_si512(s.cols + r);
+    const bool whole =
+        _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(strip.most)), c) == 0 &&
+        r + 16 <= block.rows;
+    float* st = s.st + (r - strip.s0);
+    if (whole) {
+      online_softmax<false>(st, kStrip, strip.most, c, s.m + r, s.l + r, s.alpha + r);
+    } else {
+      online_softmax<true>(st, kStrip, strip.most, c, s.m + r, s.l + r, s.alpha + r);
+    }
+  }
+}
+
+// O^T = alpha O^T + V^T P^T, 12 columns of head_dim at a time: keys every row sees without
+// masks, the others (causal diagonal) with.
+void strip_pv(const mha::Problem& p, const Tile& tile, const Strip& strip, const Scratch& s,
+              Prefetch* pf) {
+  __m512i strip_cols[2];
+  for (int n = 0; n < 2; ++n) {
+    strip_cols[n] =
+        _mm512_loadu_si512(s.cols + strip.s0 + 16 * std::min<std::int64_t>(n, strip.rows / 16 - 1));
+  }
+  const float* alpha = s.alpha + strip.s0;
+  for (std::int64_t d = 0; d < p.head_dim; d += kMr) {
+    with_count<kMr>(p.head_dim - d, [&](auto columns) {
+      constexpr int kCols = decltype(columns)::value;
+      float* o_cols = panel_lane(s.ot, strip.s0, p.head_dim) + d * kStrip;
+      const float* v_cols = tile.v.at + d;
+      if (strip.rows == 32) {
+        pv_tile<kCols, 2, false>(s.st, kStrip, 0, strip.shared, v_cols, tile.v.seq, o_cols, alpha,
+                                 strip_cols, pf);
+        if (strip.shared < strip.most) {
+          pv_tile<kCols, 2, true>(s.st, kStrip, strip.shared, strip.most, v_cols, tile.v.seq,
+                                  o_cols, alpha, strip_cols, pf);
+        }
+      } else {
+        pv_tile<kCols, 1, false>(s.st, kStrip, 0, strip.shared, v_cols, tile.v.seq, o_cols, alpha,
+                                 strip_cols, pf);
+        if (strip.shared < strip.most) {
+          pv_tile<kCols, 1, true>(s.st, kStrip, strip.shared, strip.most, v_cols, tile.v.seq,
+                                  o_cols, alpha, strip_cols, pf);
         }
       }
+    });
+  }
+}
 
-      for (std::int64_t t = 0; t < rows; ++t) {
-        const std::int64_t row = t % p.q_len, head = kv_head * group + t / p.q_len;
-        float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
-        float* lse_row = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
-        finish_row(acc_rows.data() + t * d16, 1, ms[t], ls[t], mha::visible_keys(p, row), dim,
-                   o_row, lse_row);
-      }
+// o = O / l: 16 rows at a time by a transpose when all 16 see some key, else row by row;
+// lse row by row (finish_row with no columns).
+void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
+                  float* lse) {
+  for (std::int64_t t0 = 0; t0 < block.rows; t0 += 16) {
+    const std::int64_t n = std::min<std::int64_t>(16, block.rows - t0);
+    float* o_row[16];
+    float* lse_row[16];
+    std::int64_t seen[16];
+    bool all_see = n == 16;
+    for (std::int64_t i = 0; i < n; ++i) {
+      o_row[i] = block.o_row(p, o, t0 + i);
+      lse_row[i] = block.lse_at(p, lse, t0 + i);
+      seen[i] = mha::visible_keys(p, block.row(t0 + i));
+      all_see = all_see && seen[i] > 0;
+    }
+    const float* const panel = panel_lane(s.ot, t0, p.head_dim);
+    if (all_see) divide_rows16(panel, s.l + t0, p.head_dim, o_row);
+    for (std::int64_t i = 0; i < n; ++i) {
+      finish_row(panel + i, kStrip, s.m[t0 + i], s.l[t0 + i], seen[i], all_see ? 0 : p.head_dim,
+                 o_row[i], lse_row[i]);
     }
   }
 }
 
 }  // namespace
 
+std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
+  if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+  const Tiling tiling = choose_tiling(p);
+  return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
+}
+
 void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
-  if (group * p.q_len < 16) {
-    decode_rows(p, q, k, v, o, lse);
+                              float* o, float* lse, mha::Workspace ws) {
+  if (decodes(p)) {
+    decode_rows(p, q, k, v, o, lse, ws);
     return;
   }
   const std::int64_t dim = p.head_dim;
   const Tiling tiling = choose_tiling(p);
   const std::int64_t bc = tiling.keys;
-  // Q^T and O^T are strip-major: the 32 rows of a strip are one contiguous [head_dim][32]
-  // panel, 16 KiB in 4 pages at D = 128 (stored [d][R], a strip's lines lay 1 KiB apart over
-  // 34 pages; strip-major measured 1-2.5% faster at D = 128). S^T is one [Bc][32] panel,
-  // reused by every strip. Within a panel, rows are ld = kStrip apart.
-  const std::int64_t block_rows = round_up(group * tiling.rows_per_head, kStrip);
-  constexpr std::int64_t ld = kStrip;
-
-  // One allocation, left uninitialized (every element is written before it is read), cut
-  // into pieces that start on 64-byte boundaries: the microkernels' vector loads and stores
-  // are aligned.
-  // Copied K and V tiles: rows of head_dim rounded up to 16, plus 16 (an odd number of
-  // cache lines apart, so that rows spread over the L1 sets).
-  const std::int64_t ldkv = round_up(dim, 16) + 16;
-  const std::int64_t sizes[] = {dim * block_rows, bc * kStrip, dim * block_rows,
-                                3 * block_rows,   bc * ldkv,   bc * ldkv};
-  std::int64_t total = 16;
-  for (const std::int64_t n : sizes) total += n;
-  const std::unique_ptr<float[]> scratch(new float[static_cast<std::size_t>(total)]);
-  float* const qt =
-      scratch.get() +
-      (16 - reinterpret_cast<std::uintptr_t>(scratch.get()) / sizeof(float) % 16) % 16;
-  float* const st = qt + sizes[0];  // [bc][ld]: the strip's S^T, then P^T
-  float* const ot = st + sizes[1];  // per strip [dim][ld]: O^T
-  float* const m = ot + sizes[2];
-  float* const l = m + block_rows;
-  float* const alpha = l + block_rows;
-  float* const k_tile = alpha + block_rows;  // [bc][ldkv]: the K tile's rows
-  float* const v_tile = k_tile + sizes[4];   // [bc][ldkv]: the V tile's rows
-  std::vector<std::int32_t> visible(static_cast<std::size_t>(block_rows));  // per row, this tile
-  std::int32_t* const cols = visible.data();
+  Carve workspace(ws.data);
+  const Scratch s = carve(p, tiling, workspace);
   const __m512 logit_scale = logit_scale_of(p);
 
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      const std::int64_t head0 = kv_head * group;
+  mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
+    const std::int64_t padded = start_block(p, block, q, s);
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    const std::int64_t block_keys = block.keys(p);
+    // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
+    // tile too briefly to hide reading the next one: their first strip prefetches it,
+    // spread over the microkernel steps. Larger blocks compute each tile long enough for
+    // the hardware prefetchers and the copy's own reads; software prefetches there
+    // measured 1.5-5% slower (token-major, L = 2048 and 8192).
+    const bool small = padded <= kSmallBlockRows;
+    const std::int64_t steps = (bc + kMr - 1) / kMr * dim + (dim + kMr - 1) / kMr * bc;
+    if (small) Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(bc, block_keys), dim, 1).all();
+    // K and V tiles are copied to the padded stride ldkv, except in decode-sized blocks
+    // whose rows are not a multiple of 1 KiB apart: there the copy cost up to a third of a
+    // tile's FMAs (MQA decode, 32 rows, ran 8-17% faster reading head-major rows where they
+    // are), while in large blocks the padded stride pays for itself (reading 512-byte-apart
+    // rows in place made D = 128 prefill 1.5-4% slower). Rows 1 KiB apart or a multiple of
+    // it (token-major: 4 KiB) put 3 or more of 12 rows into one L1 set, and stride 0
+    // (shared rows) is copied too.
+    const auto copied = [&](std::int64_t seq) {
+      return !small || seq * std::int64_t{sizeof(float)} % 1024 == 0;
+    };
+    const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
 
-      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += tiling.rows_per_head) {
-        // Block row t is query head head0 + t / br, query row r0 + t % br; rows past `rows`
-        // (up to a multiple of 16) are zero padding, computed and never stored.
-        const std::int64_t br = std::min(tiling.rows_per_head, p.q_len - r0);
-        const std::int64_t rows = group * br;
-        const std::int64_t padded = round_up(rows, 16);
-        for (std::int64_t t0 = 0; t0 < padded; t0 += 16) {
-          const float* row[16];
-          for (std::int64_t i = 0; i < 16; ++i) {
-            const std::int64_t t = t0 + i;
-            row[i] = t < rows
-                         ? q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head
-                         : nullptr;
-          }
-          pack_rows16(row, dim, panel_lane(qt, t0, dim));
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+      const std::int64_t tile_keys = std::min(bc, block_keys - c0);
+      Prefetch next(k_head + (c0 + bc) * p.k.seq, p.k.seq, v_head + (c0 + bc) * p.v.seq, p.v.seq,
+                    std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
+      // The microkernels' K and V rows: the tensor's own, or their copy in `buffer`.
+      const auto tile_rows = [&](const float* head, std::int64_t seq, bool copy, float* buffer) {
+        if (!copy) return Rows{head + c0 * seq, seq};
+        copy_rows(head + c0 * seq, seq, tile_keys, dim, buffer, s.ldkv);
+        return Rows{buffer, s.ldkv};
+      };
+      const Tile tile{c0, tile_keys, tile_rows(k_head, p.k.seq, copy_k, s.k_tile),
+                      tile_rows(v_head, p.v.seq, copy_v, s.v_tile)};
+      for (std::int64_t t = 0; t < padded; ++t) {
+        const std::int64_t n = t < block.rows ? block.tile_keys_seen(p, t, c0, tile_keys) : 0;
+        s.cols[t] = static_cast<std::int32_t>(n);
+      }
+      for (std::int64_t s0 = 0; s0 < padded; s0 += kStrip) {
+        Strip strip{s0, std::min(kStrip, padded - s0), 0, tile_keys};
+        for (std::int64_t t = s0; t < std::min(s0 + strip.rows, block.rows); ++t) {
+          strip.most = std::max<std::int64_t>(strip.most, s.cols[t]);
+          strip.shared = std::min<std::int64_t>(strip.shared, s.cols[t]);
         }
-        std::fill(m, m + padded, -std::numeric_limits<float>::infinity());
-        std::fill(l, l + padded, 0.0f);
-        std::fill(ot, ot + round_up(padded, kStrip) * dim, 0.0f);
-
-        const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
-        // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
-        // tile too briefly to hide reading the next one: their first strip prefetches it,
-        // spread over the microkernel steps. Larger blocks compute each tile long enough for
-        // the hardware prefetchers and the copy's own reads; software prefetches there
-        // measured 1.5-5% slower (token-major, L = 2048 and 8192).
-        const bool small = padded <= kSmallBlockRows;
-        const std::int64_t steps = (bc + kMr - 1) / kMr * dim + (dim + kMr - 1) / kMr * bc;
-        if (small) {
-          Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(bc, block_keys), dim, 1).all();
+        if (strip.most == 0) {  // no row of the strip sees this tile: alpha = 1, O^T unchanged
+          std::fill(s.alpha + s0, s.alpha + s0 + strip.rows, 1.0f);
+          continue;
         }
-        // K and V tiles are copied to the padded stride ldkv, except in decode-sized blocks
-        // whose rows are not a multiple of 1 KiB apart: there the copy
-        // cost up to a third of a tile's FMAs (MQA decode, 32 rows, ran 8-17% faster reading
-        // head-major rows where they are), while in large blocks the padded stride pays for
-        // itself (reading 512-byte-apart rows in place made D = 128 prefill 1.5-4% slower).
-        // Rows 1 KiB apart or a multiple of it (token-major: 4 KiB) put 3 or more of 12 rows
-        // into one L1 set, and stride 0 (shared rows) is copied too.
-        const auto copied = [&](std::int64_t seq) {
-          return !small || seq * std::int64_t{sizeof(float)} % 1024 == 0;
-        };
-        const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
-        for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
-          const std::int64_t tile_keys = std::min(bc, block_keys - c0);
-          Prefetch next(k_head + (c0 + bc) * p.k.seq, p.k.seq, v_head + (c0 + bc) * p.v.seq,
-                        p.v.seq, std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
-          // The microkernels' K and V rows (first row, row stride): the tensor's own, or
-          // their copy in `buffer`.
-          const auto tile_rows = [&](const float* head, std::int64_t seq, bool copy,
-                                     float* buffer) {
-            if (!copy) return Rows{head + c0 * seq, seq};
-            copy_rows(head + c0 * seq, seq, tile_keys, dim, buffer, ldkv);
-            return Rows{buffer, ldkv};
-          };
-          const Rows kt = tile_rows(k_head, p.k.seq, copy_k, k_tile);
-          const Rows vt = tile_rows(v_head, p.v.seq, copy_v, v_tile);
-          for (std::int64_t t = 0; t < padded; ++t) {
-            const std::int64_t n = t < rows ? mha::visible_keys(p, r0 + t % br) - c0 : 0;
-            cols[t] = static_cast<std::int32_t>(std::clamp(n, std::int64_t{0}, tile_keys));
-          }
-          for (std::int64_t s0 = 0; s0 < padded; s0 += kStrip) {
-            const std::int64_t strip = std::min(kStrip, padded - s0);  // 16 or 32 rows
-            // Keys some row of the strip sees (S is computed up to there) and keys all of
-            // its rows see (P V without masks up to there).
-            std::int64_t most = 0, shared = tile_keys;
-            for (std::int64_t t = s0; t < std::min(s0 + strip, rows); ++t) {
-              most = std::max<std::int64_t>(most, cols[t]);
-              shared = std::min<std::int64_t>(shared, cols[t]);
-            }
-            if (most == 0) {  // no row of the strip sees this tile: alpha = 1, O^T unchanged
-              std::fill(alpha + s0, alpha + s0 + strip, 1.0f);
-              continue;
-            }
-            Prefetch* const pf = small && s0 == 0 ? &next : nullptr;
-            // S^T = scale log2(e) K Q^T for the strip, 12 keys at a time.
-            for (std::int64_t j = 0; j < most; j += kMr) {
-              with_count(std::min<std::int64_t>(kMr, most - j), [&](auto keys) {
-                constexpr int kKeys = decltype(keys)::value;
-                if (strip == 32) {
-                  logits_tile<kKeys, 2>(panel_lane(qt, s0, dim), ld, kt.at + j * kt.seq, kt.seq,
-                                        dim, logit_scale, st + j * ld, pf);
-                } else {
-                  logits_tile<kKeys, 1>(panel_lane(qt, s0, dim), ld, kt.at + j * kt.seq, kt.seq,
-                                        dim, logit_scale, st + j * ld, pf);
-                }
-              });
-            }
-            // The online softmax, 16 rows at a time; masks only where a row sees part of
-            // the keys (the causal diagonal and fully masked rows).
-            for (std::int64_t s = s0; s < s0 + strip; s += 16) {
-              const __m512i c = _mm512_loadu_si512(cols + s);
-              const bool whole =
-                  _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(most)), c) == 0 &&
-                  s + 16 <= rows;
-              if (whole) {
-                online_softmax<false>(st + (s - s0), ld, most, c, m + s, l + s, alpha + s);
-              } else {
-                online_softmax<true>(st + (s - s0), ld, most, c, m + s, l + s, alpha + s);
-              }
-            }
-            // O^T = alpha O^T + V^T P^T, 12 columns of head_dim at a time: keys every row
-            // sees without masks, the others (causal diagonal) with.
-            __m512i strip_cols[2];
-            for (int n = 0; n < 2; ++n)
-              strip_cols[n] =
-                  _mm512_loadu_si512(cols + s0 + 16 * std::min<std::int64_t>(n, strip / 16 - 1));
-            for (std::int64_t d = 0; d < dim; d += kMr) {
-              with_count(std::min<std::int64_t>(kMr, dim - d), [&](auto columns) {
-                constexpr int kCols = decltype(columns)::value;
-                float* o_cols = panel_lane(ot, s0, dim) + d * ld;
-                if (strip == 32) {
-                  pv_tile<kCols, 2, false>(st, ld, 0, shared, vt.at + d, vt.seq, o_cols, alpha + s0,
-                                           strip_cols, pf);
-                  if (shared < most) {
-                    pv_tile<kCols, 2, true>(st, ld, shared, most, vt.at + d, vt.seq, o_cols,
-                                            alpha + s0, strip_cols, pf);
-                  }
-                } else {
-                  pv_tile<kCols, 1, false>(st, ld, 0, shared, vt.at + d, vt.seq, o_cols, alpha + s0,
-                                           strip_cols, pf);
-                  if (shared < most) {
-                    pv_tile<kCols, 1, true>(st, ld, shared, most, vt.at + d, vt.seq, o_cols,
-                                            alpha + s0, strip_cols, pf);
-                  }
-                }
-              });
-            }
-          }
-        }
-
-        // o = O / l: 16 rows at a time by a transpose when all 16 see some key, else row by
-        // row; lse row by row (finish_row with no columns).
-        for (std::int64_t t0 = 0; t0 < rows; t0 += 16) {
-          const std::int64_t n = std::min<std::int64_t>(16, rows - t0);
-          float* o_row[16];
-          float* lse_row[16];
-          std::int64_t seen[16];
-          bool all_see = n == 16;
-          for (std::int64_t i = 0; i < n; ++i) {
-            const std::int64_t t = t0 + i, row = r0 + t % br, head = head0 + t / br;
-            o_row[i] = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
-            lse_row[i] = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
-            seen[i] = mha::visible_keys(p, row);
-            all_see = all_see && seen[i] > 0;
-          }
-          const float* const panel = panel_lane(ot, t0, dim);
-          if (all_see) divide_rows16(panel, l + t0, dim, o_row);
-          for (std::int64_t i = 0; i < n; ++i) {
-            finish_row(panel + i, ld, m[t0 + i], l[t0 + i], seen[i], all_see ? 0 : dim, o_row[i],
-                       lse_row[i]);
-          }
-        }
+        Prefetch* const pf = small && s0 == 0 ? &next : nullptr;
+        strip_logits(p, tile, strip, logit_scale, s, pf);
+        strip_softmax(block, strip, s);
+        strip_pv(p, tile, strip, s, pf);
       }
     }
-  }
+    finish_block(p, block, s, o, lse);
+  });
 }

@@ -4,15 +4,15 @@
 // g = q_heads / kv_heads: o = softmax(scale * q k^T + causal mask) v and lse = the log of
 // the softmax denominator) without ever holding a score row longer than one KV tile:
 //
-//   for each (batch, KV head, block of query rows):
+//   for each (batch, KV head, block of query rows):           for_each_block, start_block
 //     block rows = the group's g query heads x up to Br query rows each
 //     for each KV tile of Bc keys that some row of the block sees:
-//       pack K^T of the tile                          once for all g heads of the group
-//       S = scale * Q K^T                             [rows][Bc]
-//       online softmax: running max m and sum l per row; when m grows, the accumulator
-//       and l are rescaled by the same exp(m_old - m_new); S becomes the weights P
-//       O += P V                                      [rows][head_dim]
-//     o = O / l, lse = m + log(l)
+//       pack K^T of the tile                          once for all g heads: pack_k_transposed
+//       S = scale * Q K^T                             [rows][Bc]          tile_logits
+//       online softmax: running max m and sum l per row; when m grows, the  tile_softmax
+//       accumulator and l are rescaled by the same exp(m_old - m_new); S becomes the weights P
+//       O += P V                                      [rows][head_dim]    tile_pv
+//     o = O / l, lse = m + log(l)                                         finish_block
 //
 // Causal masking is bottom-right aligned, so every row sees a prefix of the keys and the
 // mask is a per-row column count: tiles past the block's last visible key are never
@@ -29,65 +29,28 @@
 // vectorize them without reassociating floating-point sums; every logit is summed over
 // head_dim in order and every output over the keys in order, as in the naive kernel.
 //
-// Scratch, allocated once per call, in floats: Bc x head_dim (K^T tile) + R x Bc (scores)
-// + R x head_dim (accumulators) + 2 R (m, l), with R = g x Br block rows. For D = 128 and
-// g = 4 that is 32 + 16 + 32 KiB; it depends on head_dim and g, never on q_len or kv_len.
+// Tile sizes: mha::support::flash_tiling (mha/support.h gives the reasoning).
 //
-// Depends on mha/attention.h and the standard library only.
+// Workspace (the caller's; mha_f32_attention_blocked_workspace gives its size), in floats:
+// Bc x head_dim (K^T tile) + R x Bc (scores) + R x head_dim (accumulators) + 2 R (m, l),
+// with R = g x Br block rows. For D = 128 and g = 4 that is 32 + 16 + 32 KiB; it depends on
+// head_dim and g, never on q_len or kv_len beyond Bc and Br.
+//
+// Depends on mha/attention.h, mha/support.h and the standard library only.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "mha/attention.h"
+#include "mha/support.h"
 
 namespace {
 
-// Tile sizes, from caches assumed per core: L1d 32-48 KiB, L2 >= 1 MiB. They are constants
-// (the kernel does not query the OS), so results never depend on the machine.
-//
-// KV tile, Bc keys: the K^T tile and the V tile hold Bc x head_dim floats each, 32 KiB.
-// The S phase streams K^T once per block row and the PV phase streams V once per block row,
-// so each phase reuses one L1-sized operand across all R rows, and both stay in L2 between
-// the phases. D = 128: Bc = 8192 / 128 = 64 keys, K and V 2 x 64 x 128 x 4 B = 64 KiB.
-// At least 16 keys keep the vectorized loop over keys long (above D = 512 the tiles
-// outgrow L1 and live in L2: D = 4096 gives 2 x 256 KiB); at most 256 bound the score tile.
-constexpr std::int64_t kKvTileFloats = 8192;  // 32 KiB
-constexpr std::int64_t kMinKeys = 16;
-constexpr std::int64_t kMaxKeys = 256;
-
-// Query block, R = g x Br rows: R x head_dim accumulators in 32 KiB. D = 128, g = 4:
-// Br = 8192 / (4 x 128) = 16 query rows, R = 64; accumulators 64 x 128 x 4 B = 32 KiB,
-// scores 64 x 64 x 4 B = 16 KiB, the block's Q rows (read in place) 32 KiB: with the KV
-// tiles 144 KiB, well inside L2. Each KV tile then comes from memory once per 16 query rows
-// and feeds 2 x R x Bc x D = 1 M multiply-adds (16 per byte of K and V). Br is at
-// most 64, so causal block skipping keeps a fine grain, and at least 1: when g x D > 8192 a
-// block is one row of each head.
-constexpr std::int64_t kAccFloats = 8192;  // 32 KiB
-constexpr std::int64_t kMaxRowsPerHead = 64;
-
-struct Tiling {
-  std::int64_t keys;           // Bc: keys per KV tile
-  std::int64_t rows_per_head;  // Br: query rows per head in one block
-};
-
-Tiling choose_tiling(const mha::Problem& p) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
-  Tiling t;
-  t.keys = std::min(std::clamp(kKvTileFloats / p.head_dim, kMinKeys, kMaxKeys), p.kv_len);
-  t.rows_per_head = std::clamp(kAccFloats / (group * p.head_dim), std::int64_t{1}, kMaxRowsPerHead);
-  t.rows_per_head = std::min(t.rows_per_head, p.q_len);
-  return t;
-}
-
-// What a row's logits are taken relative to. While all its logits so far are -inf (or
-// NaN) the running max is -inf, and exp(-inf - (-inf)) would be NaN where the weight must
-// be 0. Relative to 0 instead, -inf logits weigh exp(-inf) = 0 exactly and NaN logits stay
-// NaN; when a finite max arrives, the rescale factor exp(-inf - m) = 0 clears the zeros
-// (and keeps a NaN a NaN).
-float subtrahend(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
+using mha::support::Block;
+using mha::support::Carve;
+using mha::support::Tiling;
 
 // kt[d][j] = k[j][d] for j < cols: the K^T tile, row stride ld.
 // k: [cols][head_dim], row stride k_seq   kt: [head_dim][ld]
@@ -159,7 +122,7 @@ void online_softmax(float* s, std::int64_t cols, float* m, float* l, float* acc,
     *m = m_new;
   }
 
-  const float base = subtrahend(m_new);
+  const float base = mha::support::logit_shift(m_new);
   float sum = 0.0f;
   for (std::int64_t j = 0; j < cols; ++j) {
     s[j] = std::exp(s[j] - base);
@@ -203,86 +166,104 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
   }
   // A division rather than a multiply by 1 / l: one rounding, as the tolerance assumes.
   for (std::int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] / l;
-  if (lse != nullptr) {
-    // l >= 1 once a finite max was seen. l == 0 means every logit was -inf (possible only
-    // with infinite inputs): the softmax is 0 / 0 and o is NaN, so lse is NaN too, as the
-    // reference's two-pass formula gives.
-    *lse = l == 0.0f ? std::numeric_limits<float>::quiet_NaN() : subtrahend(m) + std::log(l);
+  if (lse != nullptr) *lse = mha::support::row_lse(m, l);
+}
+
+// The kernel's arrays in the caller's workspace, sized for the largest block.
+struct Scratch {
+  float* kt;   // [head_dim][Bc]: the K^T tile
+  float* s;    // [R][Bc]: the block's logits, then its weights
+  float* acc;  // [R][head_dim]: the block's O accumulators
+  float* m;    // [R]: running maxima
+  float* l;    // [R]: running sums
+};
+
+Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
+  const std::int64_t rows = p.q_heads / p.kv_heads * tiling.rows_per_head;
+  Scratch s;
+  s.kt = carve.take<float>(tiling.keys * p.head_dim);
+  s.s = carve.take<float>(rows * tiling.keys);
+  s.acc = carve.take<float>(rows * p.head_dim);
+  s.m = carve.take<float>(rows);
+  s.l = carve.take<float>(rows);
+  return s;
+}
+
+// The phases of one block, in the order the file's header lists them.
+
+void start_block(const Block& block, std::int64_t head_dim, const Scratch& s) {
+  std::fill(s.m, s.m + block.rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l, s.l + block.rows, 0.0f);
+  std::fill(s.acc, s.acc + block.rows * head_dim, 0.0f);
+}
+
+// The KV tile of keys [c0, c0 + keys) in the block's loop.
+struct Tile {
+  std::int64_t c0, keys;
+};
+
+// S = scale Q K^T for every block row over the keys of the tile it sees (K^T in s.kt).
+void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
+                 std::int64_t bc, const Scratch& s) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    logits(block.q_row(p, q, t), s.kt, bc, p.head_dim,
+           block.tile_keys_seen(p, t, tile.c0, tile.keys), p.scale, s.s + t * bc);
+  }
+}
+
+// The online-softmax step of every block row: S becomes the weights P.
+void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, std::int64_t bc,
+                  const Scratch& s) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    online_softmax(s.s + t * bc, block.tile_keys_seen(p, t, tile.c0, tile.keys), s.m + t, s.l + t,
+                   s.acc + t * p.head_dim, p.head_dim);
+  }
+}
+
+// O += P V for every block row; v_tile: the tile's first V row.
+void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
+             std::int64_t bc, const Scratch& s) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    accumulate_pv(s.s + t * bc, block.tile_keys_seen(p, t, tile.c0, tile.keys), v_tile, p.v.seq,
+                  p.head_dim, s.acc + t * p.head_dim);
+  }
+}
+
+// o = O / l, lse = m + log(l) for every block row.
+void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
+                  float* lse) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    finish_row(s.acc + t * p.head_dim, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)),
+               p.head_dim, block.o_row(p, o, t), block.lse_at(p, lse, t));
   }
 }
 
 }  // namespace
 
+std::size_t mha_f32_attention_blocked_workspace(const mha::Problem& p) {
+  const Tiling tiling = mha::support::flash_tiling(p);
+  return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
+}
+
 void mha_f32_attention_blocked(const mha::Problem& p, const float* q, const float* k,
-                               const float* v, float* o, float* lse) {
-  const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
-  const std::int64_t dim = p.head_dim;
-  const Tiling tiling = choose_tiling(p);
+                               const float* v, float* o, float* lse, mha::Workspace ws) {
+  const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;
-  const std::int64_t max_rows = group * tiling.rows_per_head;
+  Carve workspace(ws.data);
+  const Scratch s = carve(p, tiling, workspace);
 
-  std::vector<float> kt_tile(static_cast<std::size_t>(bc * dim));         // [dim][bc]
-  std::vector<float> s_tile(static_cast<std::size_t>(max_rows * bc));     // [rows][bc]
-  std::vector<float> acc_tile(static_cast<std::size_t>(max_rows * dim));  // [rows][dim]
-  std::vector<float> m_rows(static_cast<std::size_t>(max_rows));
-  std::vector<float> l_rows(static_cast<std::size_t>(max_rows));
-  float* const kt = kt_tile.data();
-  float* const s = s_tile.data();
-  float* const acc = acc_tile.data();
-  float* const m = m_rows.data();
-  float* const l = l_rows.data();
-
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      // k, v of this (batch, KV head): [kv_len][head_dim], row strides p.k.seq, p.v.seq
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      const std::int64_t head0 = kv_head * group;  // the group's first query head
-
-      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += tiling.rows_per_head) {
-        // Block row t is query head head0 + t / br, query row r0 + t % br: all heads of
-        // the group share every KV tile while it is in cache.
-        const std::int64_t br = std::min(tiling.rows_per_head, p.q_len - r0);
-        const std::int64_t rows = group * br;
-        const auto q_row = [&](std::int64_t t) {
-          return q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head;
-        };
-        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-        std::fill(l, l + rows, 0.0f);
-        std::fill(acc, acc + rows * dim, 0.0f);
-
-        // Each row sees a prefix of the keys, the block's last row the longest: tiles past
-        // it are masked for every row of the block and never visited.
-        const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
-        for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
-          const std::int64_t tile_keys = std::min(bc, block_keys - c0);
-          // The tile's keys that block row t sees: all of them below the diagonal, a
-          // prefix where the tile crosses it (the causal mask), none above it.
-          const auto cols = [&](std::int64_t t) {
-            const std::int64_t n = mha::visible_keys(p, r0 + t % br) - c0;
-            return std::clamp(n, std::int64_t{0}, tile_keys);
-          };
-
-          pack_k_transposed(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, kt, bc);
-          for (std::int64_t t = 0; t < rows; ++t) {
-            logits(q_row(t), kt, bc, dim, cols(t), p.scale, s + t * bc);
-          }
-          for (std::int64_t t = 0; t < rows; ++t) {
-            online_softmax(s + t * bc, cols(t), m + t, l + t, acc + t * dim, dim);
-          }
-          const float* v_tile = v_head + c0 * p.v.seq;
-          for (std::int64_t t = 0; t < rows; ++t) {
-            accumulate_pv(s + t * bc, cols(t), v_tile, p.v.seq, dim, acc + t * dim);
-          }
-        }
-
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t row = r0 + t % br, head = head0 + t / br;
-          finish_row(acc + t * dim, m[t], l[t], mha::visible_keys(p, row), dim,
-                     o + b * p.o.batch + row * p.o.seq + head * p.o.head,
-                     lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
-        }
-      }
+  mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
+    start_block(block, p.head_dim, s);
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    const std::int64_t block_keys = block.keys(p);
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+      const Tile tile{c0, std::min(bc, block_keys - c0)};
+      pack_k_transposed(k_head + c0 * p.k.seq, p.k.seq, tile.keys, p.head_dim, s.kt, bc);
+      tile_logits(p, block, tile, q, bc, s);
+      tile_softmax(p, block, tile, bc, s);
+      tile_pv(p, block, tile, v_head + c0 * p.v.seq, bc, s);
     }
-  }
+    finish_block(p, block, s, o, lse);
+  });
 }

@@ -3,20 +3,24 @@
 // For each (batch, query head, query row): the full score row s = scale * q K^T over the
 // visible keys, a stable softmax (subtract the row max, exp, sum), then o = softmax(s) V.
 // Layout: any strides mha::check accepts; reads only the elements the strides address,
-// writes only o's and lse's elements. Scratch: one score row (kv_len floats), allocated
-// once per call. ISA: portable C++ (the compiler may vectorize). Depends on
-// mha/attention.h only.
+// writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
+// caller's; the kernel allocates nothing). ISA: portable C++ (the compiler may vectorize).
+// Depends on mha/attention.h only.
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "mha/attention.h"
 
+std::size_t mha_f32_attention_naive_workspace(const mha::Problem& p) {
+  return static_cast<std::size_t>(p.kv_len) * sizeof(float);
+}
+
 void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float* k, const float* v,
-                             float* o, float* lse) {
+                             float* o, float* lse, mha::Workspace ws) {
   const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
-  std::vector<float> score(static_cast<std::size_t>(p.kv_len));
+  float* const score = static_cast<float*>(ws.data);  // [kv_len]
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;

@@ -6,13 +6,15 @@
 // g = q_heads / kv_heads), o = softmax(scale * q k^T + causal mask) v and lse = the log of
 // the softmax denominator, one KV tile at a time:
 //
-//   for each (batch, KV head, block of g x Br query rows):   all g heads share each KV tile
+//   for each (batch, KV head, block of g x Br query rows):   for_each_block, start_block
 //     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped):
-//       pack K^T of the tile (4 x 4 transposes), zero-padded to a multiple of 4 keys
-//       S = scale * Q K^T        microkernel 4 rows x 16 keys
-//       online softmax per row: running max m and sum l; vectorized exp (neon_exp.h)
-//       O += P V                 microkernel 4 rows x 16 columns of head_dim
-//     o = O / l, lse = m + log(l)
+//       pack K^T of the tile (4 x 4 transposes), zero-padded to      pack_k_transposed
+//         a multiple of 4 keys; all g heads share it
+//       S = scale * Q K^T        microkernel 4 rows x 16 keys        tile_logits
+//       online softmax per row: running max m and sum l;             tile_softmax
+//         vectorized exp (neon_exp.h)
+//       O += P V                 microkernel 4 rows x 16 columns     tile_pv
+//     o = O / l, lse = m + log(l)                                    finish_block
 //
 // ISA: AArch64 Advanced SIMD (mandatory on AArch64, no extra compiler flags). Both
 // microkernels hold a 4 x 4 grid of 128-bit accumulators (16 of the 32 vector registers)
@@ -32,11 +34,13 @@
 // elements the strides address (of keys, only those some row of the block sees); writes
 // only o's and lse's elements. Reads nothing past the end of any tensor.
 //
-// Scratch, allocated once per call, in floats (Bc4, D4 = Bc, D rounded up to 4):
-// D x Bc4 (K^T) + R x Bc4 (scores) + R x D4 (accumulators) + 2 R, R = g x Br, sized as in
-// blocked: about 80 KiB at D = 128, g = 4.
+// Tile sizes: mha::support::flash_tiling, as blocked (mha/support.h gives the reasoning).
 //
-// Depends on mha/attention.h and neon_exp.h (this folder) only.
+// Workspace (the caller's; mha_f32_attention_neon_workspace gives its size), in floats
+// (Bc4, D4 = Bc, D rounded up to 4): D x Bc4 (K^T) + R x Bc4 (scores) + R x D4
+// (accumulators) + 2 R, R = g x Br: about 80 KiB at D = 128, g = 4.
+//
+// Depends on mha/attention.h, mha/support.h and neon_exp.h (this folder) only.
 #include <arm_neon.h>
 
 #include <algorithm>
@@ -44,42 +48,21 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "mha/attention.h"
+#include "mha/support.h"
 #include "neon_exp.h"
 
 namespace {
 
-// Tile sizes as in blocked (reasoning there): a KV tile of K and V 32 KiB each, the block's
-// accumulators 32 KiB, 16..256 keys per tile, 1..64 query rows per head.
-constexpr std::int64_t kKvTileFloats = 8192;
-constexpr std::int64_t kMinKeys = 16;
-constexpr std::int64_t kMaxKeys = 256;
-constexpr std::int64_t kAccFloats = 8192;
-constexpr std::int64_t kMaxRowsPerHead = 64;
+using mha::support::Block;
+using mha::support::Carve;
+using mha::support::Tiling;
 
 constexpr int kRows = 4;     // MR: rows per microkernel block
 constexpr int kVectors = 4;  // NR = 4 x 4 = 16 floats per microkernel block
 
-struct Tiling {
-  std::int64_t keys;           // Bc
-  std::int64_t rows_per_head;  // Br
-};
-
-Tiling choose_tiling(const mha::Problem& p) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
-  Tiling t;
-  t.keys = std::min(std::clamp(kKvTileFloats / p.head_dim, kMinKeys, kMaxKeys), p.kv_len);
-  t.rows_per_head = std::clamp(kAccFloats / (group * p.head_dim), std::int64_t{1}, kMaxRowsPerHead);
-  t.rows_per_head = std::min(t.rows_per_head, p.q_len);
-  return t;
-}
-
-std::int64_t round_up4(std::int64_t n) { return (n + 3) / 4 * 4; }
-
-// Logits relative to 0 while the running max is -inf: see blocked's subtrahend().
-float subtrahend(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
+std::int64_t round_up4(std::int64_t n) { return mha::support::round_up(n, 4); }
 
 // The first n (1..3) floats of x in the low lanes, zeros above: never reads x[n].
 float32x4_t load_partial(const float* x, std::int64_t n) {
@@ -269,7 +252,7 @@ void online_softmax(float* s, std::int64_t cols, float* m, float* l, float* acc,
     *m = m_new;
   }
 
-  const float32x4_t base = vdupq_n_f32(subtrahend(m_new));
+  const float32x4_t base = vdupq_n_f32(mha::support::logit_shift(m_new));
   float32x4_t sum = vdupq_n_f32(0.0f);
   j = 0;
   for (; j + 4 <= cols; j += 4) {
@@ -301,127 +284,133 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
   const float32x4_t lv = vdupq_n_f32(l);  // a division: one rounding, as the tolerance assumes
   for (; d + 4 <= head_dim; d += 4) vst1q_f32(o + d, vdivq_f32(vld1q_f32(acc + d), lv));
   for (; d < head_dim; ++d) o[d] = acc[d] / l;
-  if (lse != nullptr) {
-    *lse = l == 0.0f ? std::numeric_limits<float>::quiet_NaN() : subtrahend(m) + std::log(l);
+  if (lse != nullptr) *lse = mha::support::row_lse(m, l);
+}
+
+// The kernel's arrays in the caller's workspace, sized for the largest block. Row strides
+// are padded to whole vectors: ld = Bc rounded up to 4 (K^T, S), ld_acc = head_dim
+// rounded up to 4 (accumulators).
+struct Scratch {
+  std::int64_t ld, ld_acc;
+  float* kt;   // [head_dim][ld]: the K^T tile
+  float* s;    // [R][ld]: the block's logits, then its weights
+  float* acc;  // [R][ld_acc]: the block's O accumulators
+  float* m;    // [R]: running maxima
+  float* l;    // [R]: running sums
+};
+
+Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
+  const std::int64_t rows = p.q_heads / p.kv_heads * tiling.rows_per_head;
+  Scratch s;
+  s.ld = round_up4(tiling.keys);
+  s.ld_acc = round_up4(p.head_dim);
+  s.kt = carve.take<float>(p.head_dim * s.ld);
+  s.s = carve.take<float>(rows * s.ld);
+  s.acc = carve.take<float>(rows * s.ld_acc);
+  s.m = carve.take<float>(rows);
+  s.l = carve.take<float>(rows);
+  return s;
+}
+
+// The KV tile of keys [c0, c0 + keys) in the block's loop.
+struct Tile {
+  std::int64_t c0, keys;
+};
+
+// The phases of one block, in the order the file's header lists them.
+
+void start_block(const Block& block, const Scratch& s) {
+  std::fill(s.m, s.m + block.rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l, s.l + block.rows, 0.0f);
+  std::fill(s.acc, s.acc + block.rows * s.ld_acc, 0.0f);
+}
+
+// S = scale Q K^T, kRows block rows at a time, up to the last key one of them sees.
+void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
+                 const Scratch& s) {
+  for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+    const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
+    const float* qr[kRows];
+    std::int64_t most = 0;  // columns the rows need (others are ignored)
+    for (std::int64_t r = 0; r < nr; ++r) {
+      qr[r] = block.q_row(p, q, t0 + r);
+      most = std::max(most, block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys));
+    }
+    mha::support::with_count<kRows>(nr, [&](auto rows) {
+      logits_rows<decltype(rows)::value>(qr, s.kt, s.ld, p.head_dim, round_up4(most), p.scale,
+                                         s.s + t0 * s.ld);
+    });
+  }
+}
+
+// The online-softmax step of every block row that sees a key of the tile.
+void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, const Scratch& s) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    const std::int64_t n = block.tile_keys_seen(p, t, tile.c0, tile.keys);
+    if (n > 0) online_softmax(s.s + t * s.ld, n, s.m + t, s.l + t, s.acc + t * s.ld_acc, s.ld_acc);
+  }
+}
+
+// O += P V, kRows block rows at a time: keys every row of the group sees through the
+// nr-row microkernel; a row's keys past those (the causal diagonal) through a one-row pass
+// of its own. v_tile: the tile's first V row.
+void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
+             const Scratch& s) {
+  for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+    const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
+    std::int64_t shared = tile.keys;
+    for (std::int64_t r = 0; r < nr; ++r) {
+      shared = std::min(shared, block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys));
+    }
+    const float* p_rows = s.s + t0 * s.ld;
+    float* acc_rows = s.acc + t0 * s.ld_acc;
+    mha::support::with_count<kRows>(nr, [&](auto rows) {
+      pv_rows<decltype(rows)::value>(p_rows, s.ld, shared, v_tile, p.v.seq, p.head_dim, acc_rows,
+                                     s.ld_acc);
+    });
+    for (std::int64_t r = 0; r < nr; ++r) {
+      const std::int64_t extra = block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys) - shared;
+      pv_rows<1>(p_rows + r * s.ld + shared, s.ld, extra, v_tile + shared * p.v.seq, p.v.seq,
+                 p.head_dim, acc_rows + r * s.ld_acc, s.ld_acc);
+    }
+  }
+}
+
+// o = O / l, lse = m + log(l) for every block row.
+void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
+                  float* lse) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    finish_row(s.acc + t * s.ld_acc, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), p.head_dim,
+               block.o_row(p, o, t), block.lse_at(p, lse, t));
   }
 }
 
 }  // namespace
 
+std::size_t mha_f32_attention_neon_workspace(const mha::Problem& p) {
+  const Tiling tiling = mha::support::flash_tiling(p);
+  return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
+}
+
 void mha_f32_attention_neon(const mha::Problem& p, const float* q, const float* k, const float* v,
-                            float* o, float* lse) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
-  const std::int64_t dim = p.head_dim;
-  const Tiling tiling = choose_tiling(p);
+                            float* o, float* lse, mha::Workspace ws) {
+  const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;
-  const std::int64_t ld = round_up4(bc);       // row stride of the K^T and S tiles
-  const std::int64_t ld_acc = round_up4(dim);  // row stride of the accumulators
-  const std::int64_t max_rows = group * tiling.rows_per_head;
+  Carve workspace(ws.data);
+  const Scratch s = carve(p, tiling, workspace);
 
-  std::vector<float> kt_tile(static_cast<std::size_t>(dim * ld));            // [dim][ld]
-  std::vector<float> s_tile(static_cast<std::size_t>(max_rows * ld));        // [rows][ld]
-  std::vector<float> acc_tile(static_cast<std::size_t>(max_rows * ld_acc));  // [rows][ld_acc]
-  std::vector<float> m_rows(static_cast<std::size_t>(max_rows));
-  std::vector<float> l_rows(static_cast<std::size_t>(max_rows));
-  float* const kt = kt_tile.data();
-  float* const s = s_tile.data();
-  float* const acc = acc_tile.data();
-  float* const m = m_rows.data();
-  float* const l = l_rows.data();
-
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      const std::int64_t head0 = kv_head * group;
-
-      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += tiling.rows_per_head) {
-        // Block row t is query head head0 + t / br, query row r0 + t % br.
-        const std::int64_t br = std::min(tiling.rows_per_head, p.q_len - r0);
-        const std::int64_t rows = group * br;
-        const auto q_row = [&](std::int64_t t) {
-          return q + b * p.q.batch + (r0 + t % br) * p.q.seq + (head0 + t / br) * p.q.head;
-        };
-        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-        std::fill(l, l + rows, 0.0f);
-        std::fill(acc, acc + rows * ld_acc, 0.0f);
-
-        const std::int64_t block_keys = mha::visible_keys(p, r0 + br - 1);
-        for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
-          const std::int64_t tile_keys = std::min(bc, block_keys - c0);
-          const auto cols = [&](std::int64_t t) {
-            const std::int64_t n = mha::visible_keys(p, r0 + t % br) - c0;
-            return std::clamp(n, std::int64_t{0}, tile_keys);
-          };
-
-          pack_k_transposed(k_head + c0 * p.k.seq, p.k.seq, tile_keys, dim, kt, ld);
-          for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
-            const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
-            const float* qr[kRows];
-            std::int64_t most = 0;  // columns the block's rows need (others are ignored)
-            for (int r = 0; r < nr; ++r) {
-              qr[r] = q_row(t0 + r);
-              most = std::max(most, cols(t0 + r));
-            }
-            const std::int64_t n4 = round_up4(most);
-            float* s_rows = s + t0 * ld;
-            switch (nr) {
-              case 4:
-                logits_rows<4>(qr, kt, ld, dim, n4, p.scale, s_rows);
-                break;
-              case 3:
-                logits_rows<3>(qr, kt, ld, dim, n4, p.scale, s_rows);
-                break;
-              case 2:
-                logits_rows<2>(qr, kt, ld, dim, n4, p.scale, s_rows);
-                break;
-              default:
-                logits_rows<1>(qr, kt, ld, dim, n4, p.scale, s_rows);
-                break;
-            }
-          }
-          for (std::int64_t t = 0; t < rows; ++t) {
-            const std::int64_t n = cols(t);
-            if (n > 0) online_softmax(s + t * ld, n, m + t, l + t, acc + t * ld_acc, ld_acc);
-          }
-          const float* v_tile = v_head + c0 * p.v.seq;
-          for (std::int64_t t0 = 0; t0 < rows; t0 += kRows) {
-            const int nr = static_cast<int>(std::min<std::int64_t>(kRows, rows - t0));
-            // Keys every row of the block sees go through the nr-row microkernel; a row's
-            // keys past those (the causal diagonal) through a one-row pass of its own.
-            std::int64_t shared = tile_keys;
-            for (int r = 0; r < nr; ++r) shared = std::min(shared, cols(t0 + r));
-            const float* p_rows = s + t0 * ld;
-            float* acc_rows = acc + t0 * ld_acc;
-            switch (nr) {
-              case 4:
-                pv_rows<4>(p_rows, ld, shared, v_tile, p.v.seq, dim, acc_rows, ld_acc);
-                break;
-              case 3:
-                pv_rows<3>(p_rows, ld, shared, v_tile, p.v.seq, dim, acc_rows, ld_acc);
-                break;
-              case 2:
-                pv_rows<2>(p_rows, ld, shared, v_tile, p.v.seq, dim, acc_rows, ld_acc);
-                break;
-              default:
-                pv_rows<1>(p_rows, ld, shared, v_tile, p.v.seq, dim, acc_rows, ld_acc);
-                break;
-            }
-            for (int r = 0; r < nr; ++r) {
-              const std::int64_t extra = cols(t0 + r) - shared;
-              pv_rows<1>(p_rows + r * ld + shared, ld, extra, v_tile + shared * p.v.seq, p.v.seq,
-                         dim, acc_rows + r * ld_acc, ld_acc);
-            }
-          }
-        }
-
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t row = r0 + t % br, head = head0 + t / br;
-          finish_row(acc + t * ld_acc, m[t], l[t], mha::visible_keys(p, row), dim,
-                     o + b * p.o.batch + row * p.o.seq + head * p.o.head,
-                     lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr);
-        }
-      }
+  mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
+    start_block(block, s);
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    const std::int64_t block_keys = block.keys(p);
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+      const Tile tile{c0, std::min(bc, block_keys - c0)};
+      pack_k_transposed(k_head + c0 * p.k.seq, p.k.seq, tile.keys, p.head_dim, s.kt, s.ld);
+      tile_logits(p, block, tile, q, s);
+      tile_softmax(p, block, tile, s);
+      tile_pv(p, block, tile, v_head + c0 * p.v.seq, s);
     }
-  }
+    finish_block(p, block, s, o, lse);
+  });
 }

@@ -1,7 +1,7 @@
 // A kernel used from a copy: README.md's "Copying a kernel into your project" builds this file
-// with one kernel's files and mha/attention.h alone, and the copy/<kernel> ctests do exactly
-// that in an empty folder, for every kernel of the README's table. It runs one small problem
-// and compares the kernel with attention computed here in double precision.
+// with one kernel's files, mha/attention.h and mha/support.h alone, and the copy/<kernel> ctests do
+// exactly that in an empty folder, for every kernel of the README's table. It runs one small
+// problem and compares the kernel with attention computed here in double precision.
 //
 // Compile it with -DMHA_EXAMPLE_KERNEL=<name> (naive, blocked, avx2, avx512, neon): it calls
 // mha_f32_attention_<name>. It is built WITHOUT the kernel's ISA flags (only the kernel file
@@ -12,6 +12,7 @@
 // CPU lacks the kernel's ISA (ctest's SKIP_RETURN_CODE).
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -28,11 +29,13 @@
 #define MHA_EXAMPLE_STR2(a) #a
 #define MHA_EXAMPLE_STR(a) MHA_EXAMPLE_STR2(a)
 #define MHA_EXAMPLE_FUNCTION MHA_EXAMPLE_CAT(mha_f32_attention_, MHA_EXAMPLE_KERNEL)
+#define MHA_EXAMPLE_WORKSPACE MHA_EXAMPLE_CAT(MHA_EXAMPLE_FUNCTION, _workspace)
 
-// From the kernel file, e.g. avx2.cpp. Call it only with a problem that passed mha::check, on
-// a CPU with the kernel's ISA.
+// From the kernel file, e.g. avx2.cpp. Call them only with a problem that passed mha::check,
+// the kernel only on a CPU with its ISA (the workspace size is plain C++: any CPU).
 void MHA_EXAMPLE_FUNCTION(const mha::Problem& p, const float* q, const float* k, const float* v,
-                          float* o, float* lse);
+                          float* o, float* lse, mha::Workspace ws);
+std::size_t MHA_EXAMPLE_WORKSPACE(const mha::Problem& p);
 
 namespace {
 
@@ -160,7 +163,10 @@ int main() {
   std::vector<float> o(static_cast<std::size_t>(mha::o_extent(p)));
   std::vector<float> lse(static_cast<std::size_t>(mha::lse_extent(p)));
 
-  MHA_EXAMPLE_FUNCTION(p, q.data(), k.data(), v.data(), o.data(), lse.data());
+  // The kernel's scratch is the caller's: sized once, it serves every call of this shape.
+  std::vector<unsigned char> workspace(MHA_EXAMPLE_WORKSPACE(p));
+  MHA_EXAMPLE_FUNCTION(p, q.data(), k.data(), v.data(), o.data(), lse.data(),
+                       mha::Workspace{workspace.data(), workspace.size()});
 
   const double error = max_error(p, q.data(), k.data(), v.data(), o.data(), lse.data());
   const double bound = error_bound(p);

@@ -1,7 +1,8 @@
 #!/bin/sh
 # The copy/<kernel> ctests: README.md's "Copying a kernel into your project", done literally
 # for one kernel. Reads the kernel's row of the README's copy table (its files and its
-# flags), copies exactly those files, mha/attention.h and example.cpp into an empty folder,
+# flags), copies exactly those files (headers of kernels/include/mha/ into mha/), then
+# mha/attention.h and example.cpp into an empty folder,
 # builds them with the compiler alone (no CMake, no other file of this project) and runs the
 # example. Fails if the compiler prints anything (a copied file must build without warnings
 # at -Wall -Wextra).
@@ -58,7 +59,12 @@ object="${source%.cpp}.o"
 rm -rf "$work"
 mkdir -p "$work/mha"
 cp "$repo/kernels/include/mha/attention.h" "$work/mha/"
-for f in $files; do cp "$repo/$f" "$work/"; done
+for f in $files; do
+  case "$f" in
+    kernels/include/mha/*) cp "$repo/$f" "$work/mha/" ;;
+    *) cp "$repo/$f" "$work/" ;;
+  esac
+done
 cp "$repo/property_tests/copy/example.cpp" "$work/"
 cd "$work"
 # shellcheck disable=SC2086

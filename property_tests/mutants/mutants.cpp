@@ -1,6 +1,7 @@
 #include "mutants.h"
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -9,8 +10,8 @@ namespace mha::test {
 namespace {
 
 template <Mutation M>
-void mutant(const Problem& p, const float* q, const float* k, const float* v, float* o,
-            float* lse) {
+void mutant(const Problem& p, const float* q, const float* k, const float* v, float* o, float* lse,
+            Workspace) {
   const std::int64_t group = p.q_heads / p.kv_heads;
   const float scale = M == Mutation::scale_doubled ? 2.0f * p.scale : p.scale;
   const std::int64_t dot_dim =
@@ -57,17 +58,21 @@ void mutant(const Problem& p, const float* q, const float* k, const float* v, fl
   }
 }
 
+// The mutants allocate their own score rows: test code, never timed.
+std::size_t no_workspace(const Problem&) { return 0; }
+
 }  // namespace
 
 const std::vector<KernelInfo>& mutants() {
   static const std::vector<KernelInfo> list = {
-      {"causal_off_by_one", Isa::scalar, &mutant<Mutation::causal_off_by_one>, 1.0},
-      {"no_max_subtraction", Isa::scalar, &mutant<Mutation::no_max_subtraction>, 1.0},
-      {"wrong_gqa_mapping", Isa::scalar, &mutant<Mutation::wrong_gqa_mapping>, 1.0},
-      {"scale_doubled", Isa::scalar, &mutant<Mutation::scale_doubled>, 1.0},
-      {"key_skipped", Isa::scalar, &mutant<Mutation::key_skipped>, 1.0},
-      {"dim_tail_dropped", Isa::scalar, &mutant<Mutation::dim_tail_dropped>, 1.0},
-      {"lse_base2", Isa::scalar, &mutant<Mutation::lse_base2>, 1.0},
+      {"causal_off_by_one", Isa::scalar, &mutant<Mutation::causal_off_by_one>, &no_workspace, 1.0},
+      {"no_max_subtraction", Isa::scalar, &mutant<Mutation::no_max_subtraction>, &no_workspace,
+       1.0},
+      {"wrong_gqa_mapping", Isa::scalar, &mutant<Mutation::wrong_gqa_mapping>, &no_workspace, 1.0},
+      {"scale_doubled", Isa::scalar, &mutant<Mutation::scale_doubled>, &no_workspace, 1.0},
+      {"key_skipped", Isa::scalar, &mutant<Mutation::key_skipped>, &no_workspace, 1.0},
+      {"dim_tail_dropped", Isa::scalar, &mutant<Mutation::dim_tail_dropped>, &no_workspace, 1.0},
+      {"lse_base2", Isa::scalar, &mutant<Mutation::lse_base2>, &no_workspace, 1.0},
   };
   return list;
 }

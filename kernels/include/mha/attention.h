@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -118,10 +119,26 @@ inline std::int64_t visible_keys(const Problem& p, std::int64_t row) {
   return n < 0 ? 0 : (n > p.kv_len ? p.kv_len : n);
 }
 
+/// Scratch memory a caller owns and lends to one kernel call: `bytes` bytes at `data`,
+/// aligned at least as a float (as any allocation is; the kernels align within it). A kernel uses
+/// it for its packed tiles and running sums and allocates nothing, so a caller that keeps one
+/// workspace makes repeated calls allocation-free.
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// How many bytes of workspace a kernel needs for p (which must pass check()). It depends on
+/// the shapes only, never on the data, and never decreases when q_len or kv_len grows.
+using WorkspaceSize = std::size_t (*)(const Problem& p);
+
 /// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k, v, o
-/// are non-null, outputs do not overlap inputs. lse may be null (then it is not written).
+/// are non-null, outputs do not overlap inputs, ws holds at least the kernel's
+/// WorkspaceSize(p) bytes and overlaps no tensor. lse may be null (then it is not written).
+/// Every kernel file defines two functions, mha_f32_attention_<name> of this type and
+/// mha_f32_attention_<name>_workspace of type WorkspaceSize.
 using Kernel = void (*)(const Problem& p, const float* q, const float* k, const float* v, float* o,
-                        float* lse);
+                        float* lse, Workspace ws);
 
 namespace detail {
 
@@ -281,11 +298,13 @@ struct Parts {
 
 namespace detail {
 
-// merge() without its validation, for callers that built p and parts themselves (the
-// parallel driver merges every unit of an already checked problem).
-inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, float* lse) {
-  std::vector<float> weight(static_cast<std::size_t>(parts.count));
-  std::vector<float> acc(static_cast<std::size_t>(p.head_dim));  // one row of o
+// merge() without its validation and without allocating, for callers that built p and parts
+// themselves (the parallel driver merges every unit of an already checked problem).
+// scratch: parts.count + p.head_dim floats.
+inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, float* lse,
+                            float* scratch) {
+  float* const weight = scratch;             // [parts.count]
+  float* const acc = scratch + parts.count;  // one row of o: [head_dim]
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
@@ -321,14 +340,14 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
         // order, and the row written once all parts are read (o may be parts.o[0]). Only a
         // part that saw no key is skipped (its o is zeros by contract); a weight that
         // underflowed to 0 still multiplies, so NaN in that part propagates.
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(acc, acc + p.head_dim, 0.0f);
         for (int c = 0; c < parts.count; ++c) {
           if (parts.lse[c][lse_off] == neg_inf) continue;
           const float w = weight[c];
           const float* part = parts.o[c] + part_off;
           for (std::int64_t d = 0; d < p.head_dim; ++d) acc[d] += w * part[d];
         }
-        std::copy(acc.begin(), acc.end(), out);
+        std::copy(acc, acc + p.head_dim, out);
         if (lse != nullptr) lse[b * p.lse.batch + h * p.lse.head + i] = result_lse;
       }
     }
@@ -343,6 +362,7 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 /// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
 /// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
 /// every element is read before it is written. Throws std::invalid_argument on bad input.
+/// Allocates parts.count + head_dim floats of scratch per call.
 inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
   const std::string problem = check(p);
   if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
@@ -356,7 +376,8 @@ inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
       throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
     }
   }
-  detail::merge_unchecked(p, parts, o, lse);
+  std::vector<float> scratch(static_cast<std::size_t>(parts.count + p.head_dim));
+  detail::merge_unchecked(p, parts, o, lse, scratch.data());
 }
 
 }  // namespace mha

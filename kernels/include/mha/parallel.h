@@ -4,6 +4,7 @@
 
 #include <mha/attention.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace mha {
@@ -51,12 +52,20 @@ Plan plan(const Problem& p);
 /// integer; anything else throws std::invalid_argument), else the number of cores.
 int default_threads();
 
+/// Bytes of workspace parallel_attention needs to run a kernel whose own workspace is
+/// `kernel_workspace` over p on `threads` threads (0: default_threads()): one kernel
+/// workspace per thread (for the largest unit), the schedule, and for split-KV the partial
+/// results, chunks * (D + 1) floats per query row of every unit, at most 16 chunks (about
+/// 0.25 MiB for one decode token of 32 heads at D = 128).
+std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p, int threads = 0);
+
 /// Runs `kernel` over p on `threads` threads (0: default_threads()). Same contract as a
 /// kernel: p must pass check(), pointers valid, outputs disjoint from inputs; lse may be
-/// null. Scratch for split-KV partial results is allocated per call: chunks * (D + 1)
-/// floats per query row of every unit, at most 16 chunks: about 0.25 MiB for one decode
-/// token of 32 heads at D = 128.
-void parallel_attention(Kernel kernel, const Problem& p, const float* q, const float* k,
-                        const float* v, float* o, float* lse, int threads = 0);
+/// null. ws must hold parallel_workspace(kernel_workspace, p, threads) bytes for the same
+/// thread count; nothing is allocated, so a caller that keeps its workspace makes repeated
+/// calls allocation-free (OpenMP's own thread pool aside).
+void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
+                        const float* q, const float* k, const float* v, float* o, float* lse,
+                        int threads, Workspace ws);
 
 }  // namespace mha

@@ -34,6 +34,7 @@ struct KernelInfo {
   const char* name;
   Isa isa;
   Kernel fn;
+  WorkspaceSize workspace;  ///< the bytes of workspace fn needs
   double exp_ulp;
 };
 
@@ -57,7 +58,9 @@ std::string check_call(const Problem& p, const float* q, const float* k, const f
 /// Validates (throwing std::invalid_argument with check_call's message) and runs the best
 /// available kernel through the parallel driver (mha/parallel.h) on `threads` threads
 /// (0: MHA_NUM_THREADS, else all cores). lse may be null. The output does not depend on
-/// the thread count, bit for bit.
+/// the thread count, bit for bit. The driver's workspace is kept per calling thread and
+/// grown when a problem needs more: a call no larger than an earlier one on the same thread
+/// allocates nothing.
 void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
                float* lse = nullptr, int threads = 0);
 

@@ -1,0 +1,219 @@
+// mha/support.h: what the tiled kernels share, so that each kernel file holds only its own
+// algorithm and ISA. C++17, header-only, depends on mha/attention.h and the standard library
+// only: a copied kernel is its file, its ISA helper header, mha/attention.h and this file.
+//
+// * Numbers: the base change constants, round_up, ceil_div.
+// * The online softmax's edge rules: logit_shift (what a row's logits are taken relative
+//   to) and row_lse (the log-sum-exp a row ends with), in natural log and in base 2.
+// * Workspace: Carve lays scratch arrays out in a caller's mha::Workspace, and the same
+//   code sizes it (kernels' *_workspace functions run their layout with no memory).
+// * Blocks: a block is the g query heads of one KV head times Br query rows; for_each_block
+//   visits them, and Block maps a block row t to its head, query row and tensor rows.
+// * with_count: a run-time count 1..N as a compile-time constant, for microkernels
+//   instantiated per row or column count.
+#pragma once
+
+#include <mha/attention.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+namespace mha::support {
+
+constexpr double kLog2e = 1.4426950408889634074;  ///< log2(e): natural to base-2 logits
+constexpr double kLn2 = 0.69314718055994530942;   ///< ln(2): base-2 to natural log
+
+constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t m) { return (n + m - 1) / m; }
+
+/// What a row's logits are taken relative to, given its running max m. While every logit
+/// so far is -inf (or NaN) the max is -inf, and exp(-inf - (-inf)) would be NaN where the
+/// weight must be 0. Relative to 0 instead, -inf logits weigh exp(-inf) = 0 exactly and NaN
+/// logits stay NaN; when a finite max arrives, the rescale factor exp(-inf - m) = 0 clears
+/// the zeros (and keeps a NaN a NaN).
+inline float logit_shift(float m) {
+  return m == -std::numeric_limits<float>::infinity() ? 0.0f : m;
+}
+
+/// The lse of a row that saw some key, from its running max m and sum l of exp(s - m)
+/// (natural-log logits). l >= 1 once a finite max was seen; l == 0 means every logit was
+/// -inf (possible only with infinite inputs): the softmax is 0 / 0, o is NaN, and so is
+/// lse, as the reference's two-pass formula gives.
+inline float row_lse(float m, float l) {
+  return l == 0.0f ? std::numeric_limits<float>::quiet_NaN() : logit_shift(m) + std::log(l);
+}
+
+/// The same for base-2 logits (s log2(e)) and l = sum 2^(s - m): (m + log2 l) ln 2,
+/// evaluated in double so that the base change adds no rounding of its own.
+inline float row_lse_base2(float m, float l) {
+  if (l == 0.0f) return std::numeric_limits<float>::quiet_NaN();
+  return static_cast<float>(static_cast<double>(logit_shift(m)) * kLn2 +
+                            std::log(static_cast<double>(l)));
+}
+
+/// Lays arrays out one after another in a workspace, each on a 64-byte boundary (cache
+/// lines; aligned vector loads). Constructed over nullptr it hands out no memory and only
+/// counts: a kernel's workspace size is its layout run that way, so the size and the use
+/// cannot disagree. bytes() includes the slack to align the first array of any base.
+class Carve {
+ public:
+  static constexpr std::size_t kAlign = 64;
+
+  explicit Carve(void* base) : base_(static_cast<unsigned char*>(base)) {
+    if (base_ != nullptr) {
+      const auto at = reinterpret_cast<std::uintptr_t>(base_);
+      used_ = (kAlign - at % kAlign) % kAlign;  // aligns the first array
+    }
+  }
+
+  /// The next n elements of T (n >= 0), uninitialized; nullptr while only counting.
+  template <typename T>
+  T* take(std::int64_t n) {
+    static_assert(std::is_trivially_copyable_v<T> && alignof(T) <= kAlign);
+    T* at = base_ != nullptr ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    const std::size_t size = static_cast<std::size_t>(n) * sizeof(T);
+    used_ += (size + kAlign - 1) / kAlign * kAlign;
+    return at;
+  }
+
+  /// Bytes the arrays taken so far need in a workspace at any address.
+  std::size_t bytes() const { return base_ != nullptr ? used_ : used_ + kAlign - 1; }
+
+ private:
+  unsigned char* base_;
+  std::size_t used_ = 0;
+};
+
+/// The workspace size of a kernel whose arrays are laid out by `layout(carve)`.
+template <typename Layout>
+std::size_t workspace_bytes(Layout&& layout) {
+  Carve carve(nullptr);
+  layout(carve);
+  return carve.bytes();
+}
+
+/// Tile sizes: Bc keys per KV tile and Br query rows of each of the g heads per block.
+struct Tiling {
+  std::int64_t keys;
+  std::int64_t rows_per_head;
+};
+
+/// The tiling of kernels that compute S and P V a few rows at a time over a packed K^T tile
+/// and V read in place (blocked, neon), from caches assumed per core: L1d 32-48 KiB, L2 >=
+/// 1 MiB. Constants (the kernels do not query the OS), so results never depend on the
+/// machine.
+///
+/// KV tile, Bc keys: the K^T tile and the V tile hold Bc x head_dim floats each, 32 KiB.
+/// The S phase streams K^T once per block row and the PV phase streams V once per block
+/// row, so each phase reuses one L1-sized operand across all R rows, and both stay in L2
+/// between the phases. D = 128: Bc = 8192 / 128 = 64 keys, K and V 2 x 64 x 128 x 4 B =
+/// 64 KiB. At least 16 keys keep the vectorized loop over keys long (above D = 512 the
+/// tiles outgrow L1 and live in L2: D = 4096 gives 2 x 256 KiB); at most 256 bound the
+/// score tile.
+///
+/// Query block, R = g x Br rows: R x head_dim accumulators in 32 KiB. D = 128, g = 4:
+/// Br = 8192 / (4 x 128) = 16 query rows, R = 64; accumulators 64 x 128 x 4 B = 32 KiB,
+/// scores 64 x 64 x 4 B = 16 KiB, the block's Q rows (read in place) 32 KiB: with the KV
+/// tiles 144 KiB, well inside L2. Each KV tile then comes from memory once per 16 query
+/// rows and feeds 2 x R x Bc x D = 1 M multiply-adds (16 per byte of K and V). Br is at
+/// most 64, so causal block skipping keeps a fine grain, and at least 1: when g x D > 8192
+/// a block is one row of each head.
+inline Tiling flash_tiling(const Problem& p) {
+  constexpr std::int64_t kKvTileFloats = 8192;  // 32 KiB
+  constexpr std::int64_t kMinKeys = 16, kMaxKeys = 256;
+  constexpr std::int64_t kAccFloats = 8192;  // 32 KiB
+  constexpr std::int64_t kMaxRowsPerHead = 64;
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  Tiling t;
+  t.keys = std::min(std::clamp(kKvTileFloats / p.head_dim, kMinKeys, kMaxKeys), p.kv_len);
+  t.rows_per_head = std::clamp(kAccFloats / (group * p.head_dim), std::int64_t{1}, kMaxRowsPerHead);
+  t.rows_per_head = std::min(t.rows_per_head, p.q_len);
+  return t;
+}
+
+/// One block of a problem: the g = q_heads / kv_heads query heads reading KV head kv_head,
+/// query rows [r0, r0 + br) of each. Block row t (0 <= t < rows = g br) is query head
+/// head0 + t / br and query row r0 + t % br: rows of one head are consecutive, and all g
+/// heads share every KV tile while it is in cache.
+struct Block {
+  std::int64_t batch = 0, kv_head = 0;
+  std::int64_t head0 = 0;  ///< the group's first query head: kv_head * g
+  std::int64_t r0 = 0;     ///< the first query row
+  std::int64_t br = 0;     ///< query rows per head
+  std::int64_t rows = 0;   ///< g * br
+
+  std::int64_t head(std::int64_t t) const { return head0 + t / br; }
+  std::int64_t row(std::int64_t t) const { return r0 + t % br; }
+
+  /// Block row t's q row, o row and lse element (nullptr when lse is).
+  const float* q_row(const Problem& p, const float* q, std::int64_t t) const {
+    return q + batch * p.q.batch + row(t) * p.q.seq + head(t) * p.q.head;
+  }
+  float* o_row(const Problem& p, float* o, std::int64_t t) const {
+    return o + batch * p.o.batch + row(t) * p.o.seq + head(t) * p.o.head;
+  }
+  float* lse_at(const Problem& p, float* lse, std::int64_t t) const {
+    return lse != nullptr ? lse + batch * p.lse.batch + head(t) * p.lse.head + row(t) : nullptr;
+  }
+  /// The block's KV head: [kv_len][head_dim], row strides p.k.seq and p.v.seq.
+  const float* k_head(const Problem& p, const float* k) const {
+    return k + batch * p.k.batch + kv_head * p.k.head;
+  }
+  const float* v_head(const Problem& p, const float* v) const {
+    return v + batch * p.v.batch + kv_head * p.v.head;
+  }
+
+  /// Keys some row of the block sees: its last row sees the most (a prefix); tiles past
+  /// them are masked for every row and never visited.
+  std::int64_t keys(const Problem& p) const { return visible_keys(p, r0 + br - 1); }
+  /// Keys of the tile [c0, c0 + tile_keys) that block row t sees: all of them below the
+  /// causal diagonal, a prefix where the tile crosses it, none above it.
+  std::int64_t tile_keys_seen(const Problem& p, std::int64_t t, std::int64_t c0,
+                              std::int64_t tile_keys) const {
+    return std::clamp(visible_keys(p, row(t)) - c0, std::int64_t{0}, tile_keys);
+  }
+};
+
+/// f(block) for every (batch, KV head, run of rows_per_head query rows) of p, in order.
+template <typename F>
+void for_each_block(const Problem& p, std::int64_t rows_per_head, F&& f) {
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += rows_per_head) {
+        Block block;
+        block.batch = b;
+        block.kv_head = kv_head;
+        block.head0 = kv_head * group;
+        block.r0 = r0;
+        block.br = std::min(rows_per_head, p.q_len - r0);
+        block.rows = group * block.br;
+        f(static_cast<const Block&>(block));
+      }
+    }
+  }
+}
+
+namespace detail {
+template <int... I, typename F>
+void with_count(std::int64_t n, F& f, std::integer_sequence<int, I...>) {
+  // Exactly one comparison holds: n is clamped to 1 .. sizeof...(I) by the caller.
+  (void)((n == I + 1 && (f(std::integral_constant<int, I + 1>{}), true)) || ...);
+}
+}  // namespace detail
+
+/// f(std::integral_constant<int, n>{}) with n clamped to 1 .. kMax: a microkernel's row,
+/// key or column count as a compile-time constant.
+template <int kMax, typename F>
+void with_count(std::int64_t n, F&& f) {
+  static_assert(kMax >= 1);
+  detail::with_count(std::clamp<std::int64_t>(n, 1, kMax), f,
+                     std::make_integer_sequence<int, kMax>{});
+}
+
+}  // namespace mha::support

@@ -1,0 +1,199 @@
+// Allocation counts: with a caller-owned workspace the kernels and the parallel driver
+// allocate nothing, and mha::attention allocates nothing in steady state (a call no larger
+// than an earlier one on the same thread). Its own executable, because it replaces the
+// global operator new and delete to count every allocation of the process.
+//
+// Counted: every C++ allocation (std::vector, std::string, new). Not counted: malloc called
+// directly, which the project's code never does; OpenMP's runtime allocates its thread pool
+// that way, once.
+#include <gtest/gtest.h>
+#include <mha/attention.h>
+#include <mha/parallel.h>
+#include <mha/registry.h>
+#include <rapidcheck.h>
+#include <rapidcheck/gtest.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::atomic<long> g_allocations{0};
+
+void* counted(std::size_t size, std::size_t align) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (size == 0) size = 1;
+  void* p = nullptr;
+  if (align <= alignof(std::max_align_t)) {
+    p = std::malloc(size);
+  } else if (posix_memalign(&p, align, size) != 0) {
+    p = nullptr;
+  }
+  return p;
+}
+
+}  // namespace
+
+// The replaceable global allocation functions (the array and nothrow forms of the standard
+// library call these).
+void* operator new(std::size_t size) {
+  void* p = counted(size, 0);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void* operator new(std::size_t size, std::align_val_t align) {
+  void* p = counted(size, static_cast<std::size_t>(align));
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace {
+
+// Allocations made while f runs.
+template <typename F>
+long allocations(F&& f) {
+  const long before = g_allocations.load();
+  f();
+  return g_allocations.load() - before;
+}
+
+// Dense token-major inputs and outputs of one problem, with random values.
+struct Buffers {
+  mha::Problem p;
+  std::vector<float> q, k, v, o, lse;
+  explicit Buffers(const mha::Problem& problem) : p(problem) {
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    const auto filled = [&](std::int64_t n) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (float& e : x) e = unit(rng);
+      return x;
+    };
+    q = filled(mha::q_extent(p));
+    k = filled(mha::k_extent(p));
+    v = filled(mha::v_extent(p));
+    o.resize(static_cast<std::size_t>(mha::o_extent(p)));
+    lse.resize(static_cast<std::size_t>(mha::lse_extent(p)));
+  }
+};
+
+// Shapes that take every path of every kernel: prefill (MHA, GQA, causal, a head_dim off
+// every vector width), decode (GQA, MQA, long enough for the driver's split-KV) and a
+// causal problem with more queries than keys (rows that see nothing).
+std::vector<mha::Problem> shapes() {
+  return {
+      mha::make_problem(1, 300, 300, 4, 4, 128, true),
+      mha::make_problem(2, 67, 67, 8, 2, 40, false, mha::Layout::head_major),
+      mha::make_problem(1, 1, 4096, 32, 8, 128, true),
+      mha::make_problem(1, 1, 3000, 16, 1, 64, false),
+      mha::make_problem(1, 40, 17, 6, 3, 24, true),
+  };
+}
+
+std::string describe(const mha::Problem& p) {
+  return "B=" + std::to_string(p.batch) + " Lq=" + std::to_string(p.q_len) +
+         " Lk=" + std::to_string(p.kv_len) + " H=" + std::to_string(p.q_heads) +
+         " Hkv=" + std::to_string(p.kv_heads) + " D=" + std::to_string(p.head_dim) +
+         (p.causal ? " causal" : "");
+}
+
+TEST(Allocations, CounterSeesAllocations) {
+  // The counter itself: otherwise every 0 below would prove nothing.
+  const long n = allocations([] {
+    const auto x = std::make_unique<float[]>(100);
+    volatile float sink = x[50];  // kept: the allocation may not be elided
+    (void)sink;
+  });
+  EXPECT_EQ(n, 1);
+}
+
+TEST(Allocations, KernelWithWorkspaceAllocatesNothing) {
+  for (const mha::KernelInfo& kernel : mha::all_kernels()) {
+    if (!mha::available(kernel)) continue;
+    for (const mha::Problem& p : shapes()) {
+      Buffers b(p);
+      std::vector<unsigned char> ws(kernel.workspace(p));
+      for (int call = 0; call < 3; ++call) {
+        const long n = allocations([&] {
+          kernel.fn(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data(),
+                    mha::Workspace{ws.data(), ws.size()});
+        });
+        EXPECT_EQ(n, 0) << kernel.name << " call " << call << ", " << describe(p);
+      }
+    }
+  }
+}
+
+TEST(Allocations, DriverWithWorkspaceAllocatesNothing) {
+  for (const mha::KernelInfo& kernel : mha::all_kernels()) {
+    if (!mha::available(kernel)) continue;
+    for (const int threads : {1, 2}) {
+      for (const mha::Problem& p : shapes()) {
+        Buffers b(p);
+        std::vector<unsigned char> ws(mha::parallel_workspace(kernel.workspace, p, threads));
+        for (int call = 0; call < 3; ++call) {
+          const long n = allocations([&] {
+            mha::parallel_attention(kernel.fn, kernel.workspace, p, b.q.data(), b.k.data(),
+                                    b.v.data(), b.o.data(), b.lse.data(), threads,
+                                    mha::Workspace{ws.data(), ws.size()});
+          });
+          EXPECT_EQ(n, 0) << kernel.name << " on " << threads << " threads, call " << call << ", "
+                          << describe(p);
+        }
+      }
+    }
+  }
+}
+
+TEST(Allocations, AttentionAllocatesNothingInSteadyState) {
+  // Largest first: the thread's workspace grows once, then serves every smaller call.
+  std::vector<Buffers> problems;
+  for (const mha::Problem& p : shapes()) problems.emplace_back(p);
+  for (const int threads : {1, 2}) {
+    for (int round = 0; round < 2; ++round) {
+      for (Buffers& b : problems) {
+        const long n = allocations([&] {
+          mha::attention(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data(),
+                         threads);
+        });
+        if (round > 0) {
+          EXPECT_EQ(n, 0) << "mha::attention on " << threads << " threads, " << describe(b.p);
+        } else if (threads == 1 && &b == &problems.front()) {
+          EXPECT_GT(n, 0) << "the first call grows the thread's workspace: the count sees it";
+        }
+      }
+    }
+  }
+}
+
+// A kernel's workspace depends on the sizes and never decreases when q_len or kv_len grows:
+// the driver sizes one thread's workspace for its largest unit by that rule.
+RC_GTEST_PROP(Workspace, NeverShrinksAsLengthsGrow, ()) {
+  const std::int64_t kv_heads = *rc::gen::inRange<std::int64_t>(1, 5);
+  const std::int64_t group = *rc::gen::inRange<std::int64_t>(1, 9);
+  const std::int64_t dim = *rc::gen::inRange<std::int64_t>(1, 300);
+  const std::int64_t q_len = *rc::gen::inRange<std::int64_t>(1, 600);
+  const std::int64_t kv_len = *rc::gen::inRange<std::int64_t>(1, 5000);
+  const bool causal = *rc::gen::arbitrary<bool>();
+  const mha::Problem p =
+      mha::make_problem(1, q_len, kv_len, group * kv_heads, kv_heads, dim, causal);
+  mha::Problem longer = p;
+  longer.q_len += *rc::gen::inRange<std::int64_t>(0, 600);
+  longer.kv_len += *rc::gen::inRange<std::int64_t>(0, 5000);
+  for (const mha::KernelInfo& kernel : mha::all_kernels()) {
+    RC_ASSERT(kernel.workspace(p) <= kernel.workspace(longer));
+  }
+}
+
+}  // namespace
