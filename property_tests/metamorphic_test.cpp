@@ -9,8 +9,11 @@
 #include <numeric>
 #include <random>
 
-#include "harness.h"
+#include "buffers.h"
+#include "cases.h"
+#include "compare.h"
 #include "kernel_test.h"
+#include "run.h"
 
 namespace mha::test {
 namespace {

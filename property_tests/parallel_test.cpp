@@ -6,8 +6,11 @@
 
 #include <cstring>
 
-#include "harness.h"
+#include "buffers.h"
+#include "cases.h"
+#include "compare.h"
 #include "kernel_test.h"
+#include "run.h"
 
 namespace mha::test {
 namespace {

@@ -1,8 +1,12 @@
-#include "harness.h"
+#include "run.h"
 
 #include <mha/parallel.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
+
+#include "compare.h"
 
 namespace mha::test {
 

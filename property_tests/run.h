@@ -1,16 +1,17 @@
-// Test harness: generated attention cases, guarded buffers, running a kernel and comparing
-// its outputs with the reference under the shared tolerance.
+// Running the code under test: a call on guarded buffers that fails when anything outside
+// its outputs' elements was written, the equivalence property, properties inside GoogleTest.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <mha/attention.h>
 #include <mha/registry.h>
-#include <rapidcheck.h>
+#include <rapidcheck/gtest.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "buffers.h"
 #include "cases.h"
-#include "compare.h"
 
 namespace mha::test {
 
@@ -33,14 +34,8 @@ void check_equivalence(const KernelInfo& kernel, const Case& c);
 /// RC_PARAMS controls counts and seeds, a failure prints the shrunk case and its
 /// `reproduce` string.
 template <typename Testable>
-void check_property(Testable&& testable);
-
-}  // namespace mha::test
-
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
-
-template <typename Testable>
-void mha::test::check_property(Testable&& testable) {
+void check_property(Testable&& testable) {
   rc::detail::checkGTest(std::forward<Testable>(testable));
 }
+
+}  // namespace mha::test
