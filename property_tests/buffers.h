@@ -80,7 +80,7 @@ void for_each_element(std::int64_t batch, std::int64_t len, std::int64_t heads, 
         for (std::int64_t d = 0; d < dim; ++d) f(b, l, h, d);
 }
 
-/// Outputs of one kernel call, in guarded buffers.
+/// Outputs of one call, in guarded buffers.
 struct Outputs {
   Guarded o, lse;
   float o_at(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,

@@ -26,50 +26,42 @@ std::vector<bool> element_mask(std::int64_t size, const Strides& s, std::int64_t
 
 }  // namespace
 
-Outputs run(const KernelInfo& kernel, const Inputs& in, std::int64_t misalign) {
-  return run(kernel, in.p, in, in.q, in.k, in.v, misalign);
+Call call_kernel(const KernelInfo& kernel) {
+  return [kernel](const Problem& p, const float* q, const float* k, const float* v, float* o,
+                  float* lse) { kernel.fn(p, q, k, v, o, lse); };
 }
 
-namespace {
-// The driver as a kernel: a stateless function reading the kernel and thread count set
-// just before the call (tests run properties on one thread).
-Kernel g_driver_kernel = nullptr;
-int g_driver_threads = 1;
-void driver(const Problem& p, const float* q, const float* k, const float* v, float* o,
-            float* lse) {
-  parallel_attention(g_driver_kernel, p, q, k, v, o, lse, g_driver_threads);
-}
-}  // namespace
-
-Outputs run_driver(const KernelInfo& kernel, const Inputs& in, int threads) {
-  g_driver_kernel = kernel.fn;
-  g_driver_threads = threads;
-  KernelInfo as_kernel = kernel;
-  as_kernel.fn = &driver;
-  return run(as_kernel, in);
+Call call_driver(const KernelInfo& kernel, int threads) {
+  return
+      [kernel, threads](const Problem& p, const float* q, const float* k, const float* v, float* o,
+                        float* lse) { parallel_attention(kernel.fn, p, q, k, v, o, lse, threads); };
 }
 
-Outputs run(const KernelInfo& kernel, const Problem& p, const Inputs& in, const float* q,
-            const float* k, const float* v, std::int64_t misalign) {
+Outputs run(const Call& call, const std::string& name, const Inputs& in, std::int64_t misalign) {
+  return run(call, name, in.p, in, in.q, in.k, in.v, misalign);
+}
+
+Outputs run(const Call& call, const std::string& name, const Problem& p, const Inputs& in,
+            const float* q, const float* k, const float* v, std::int64_t misalign) {
   Outputs out;
   out.o = Guarded(o_extent(p), misalign);
   out.lse = Guarded(lse_extent(p), (misalign + 3) % 16);
-  kernel.fn(p, q, k, v, out.o.data(), out.lse.data());
+  call(p, q, k, v, out.o.data(), out.lse.data());
 
   RC_ASSERT_FALSE(!in.arena.same_as(in.before));  // a kernel wrote into its inputs
   const std::string o_guard = out.o.untouched_outside(
       element_mask(out.o.size(), p.o, p.batch, p.q_len, p.q_heads, p.head_dim));
-  if (!o_guard.empty()) RC_FAIL(std::string(kernel.name) + " wrote outside o: " + o_guard);
+  if (!o_guard.empty()) RC_FAIL(name + " wrote outside o: " + o_guard);
   const Strides lse_as_tensor{p.lse.batch, 1, p.lse.head};  // [b][i][h] with d = 1
   const std::string lse_guard = out.lse.untouched_outside(
       element_mask(out.lse.size(), lse_as_tensor, p.batch, p.q_len, p.q_heads, 1));
-  if (!lse_guard.empty()) RC_FAIL(std::string(kernel.name) + " wrote outside lse: " + lse_guard);
+  if (!lse_guard.empty()) RC_FAIL(name + " wrote outside lse: " + lse_guard);
   return out;
 }
 
 void check_equivalence(const KernelInfo& kernel, const Case& c) {
   const Inputs in = make_inputs(c);
-  const Outputs out = run(kernel, in, (c.misalign + 5) % 16);
+  const Outputs out = run(call_kernel(kernel), kernel.name, in, (c.misalign + 5) % 16);
   const ref::Result expected = ref::attention(in.p, in.q, in.k, in.v);
   const Tolerance tol = tolerance(in.p, in.q, in.k, in.v, kernel.exp_ulp);
   expect_close(in.p, out, expected, tol, 1.0, std::string(kernel.name) + " vs reference");

@@ -1,5 +1,5 @@
-// Running the code under test: a call on guarded buffers that fails when anything outside
-// its outputs' elements was written, the equivalence property, properties inside GoogleTest.
+// Running the code under test: a kernel or the driver as a callable, run on guarded buffers
+// (fails when anything outside its outputs' elements was written), the equivalence property.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,6 +8,8 @@
 #include <rapidcheck/gtest.h>
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <utility>
 
 #include "buffers.h"
@@ -15,17 +17,26 @@
 
 namespace mha::test {
 
-/// Runs `kernel` on the inputs (with lse requested) and asserts (RC_ASSERT) that nothing
-/// outside o's and lse's elements was written, inputs included.
-Outputs run(const KernelInfo& kernel, const Inputs& in, std::int64_t misalign = 0);
+/// The code under test, called with a kernel's arguments (mha::Kernel). The two factories
+/// below make every Call the properties run; they are the only code in the tests that calls
+/// a kernel function or the parallel driver, so a change of the kernel signature is made in
+/// them alone.
+using Call = std::function<void(const Problem&, const float* q, const float* k, const float* v,
+                                float* o, float* lse)>;
+
+/// `kernel` called directly.
+Call call_kernel(const KernelInfo& kernel);
+
+/// `kernel` through the parallel driver (mha/parallel.h) on `threads` threads.
+Call call_driver(const KernelInfo& kernel, int threads);
+
+/// Runs `call` on the inputs (with lse requested) and asserts (RC_ASSERT) that nothing
+/// outside o's and lse's elements was written, inputs included; failures name it `name`.
+Outputs run(const Call& call, const std::string& name, const Inputs& in, std::int64_t misalign = 0);
 
 /// The same for a problem `p` over the inputs' arena at other pointers (slices, chunks).
-Outputs run(const KernelInfo& kernel, const Problem& p, const Inputs& in, const float* q,
-            const float* k, const float* v, std::int64_t misalign = 0);
-
-/// Runs the parallel driver with `kernel` on `threads` threads over the inputs; the same
-/// guard checks as run().
-Outputs run_driver(const KernelInfo& kernel, const Inputs& in, int threads);
+Outputs run(const Call& call, const std::string& name, const Problem& p, const Inputs& in,
+            const float* q, const float* k, const float* v, std::int64_t misalign = 0);
 
 /// The full equivalence property: reference vs kernel on one case.
 void check_equivalence(const KernelInfo& kernel, const Case& c);
