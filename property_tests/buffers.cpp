@@ -1,3 +1,4 @@
+// Guarded buffers and the inputs of a case, laid out, filled and snapshotted.
 #include "buffers.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// The case generator (sizes at and around vector and tile edges) and how a case prints.
 #include "cases.h"
 
 #include <algorithm>

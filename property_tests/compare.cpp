@@ -1,3 +1,4 @@
+// Row-by-row comparison of outputs within the tolerance, and the split-KV merged tolerance.
 #include "compare.h"
 
 #include <cmath>

@@ -1,3 +1,4 @@
+// The two factories of Calls, running a Call under guard checks, the equivalence property.
 #include "run.h"
 
 #include <mha/parallel.h>

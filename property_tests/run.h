@@ -1,5 +1,5 @@
-// Running the code under test: a kernel or the driver as a callable, run on guarded buffers
-// (fails when anything outside its outputs' elements was written), the equivalence property.
+// Running the code under test: a kernel or the driver as a Call, run on guarded buffers that
+// fail on any write outside its outputs; the equivalence property; properties in GoogleTest.
 #pragma once
 
 #include <gtest/gtest.h>
