@@ -13,7 +13,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "harness.h"
+#include "run.h"
 
 namespace mha::test {
 namespace {

@@ -1,8 +1,9 @@
 // Every registry kernel against the double-precision reference, on generated problems.
 #include <rapidcheck.h>
 
-#include "harness.h"
+#include "cases.h"
 #include "kernel_test.h"
+#include "run.h"
 
 namespace mha::test {
 namespace {

@@ -9,8 +9,11 @@
 #include <numeric>
 #include <random>
 
-#include "harness.h"
+#include "buffers.h"
+#include "cases.h"
+#include "compare.h"
 #include "kernel_test.h"
+#include "run.h"
 
 namespace mha::test {
 namespace {
@@ -26,7 +29,7 @@ TEST_P(Metamorphic, GqaEqualsRepeatedKvMha) {
     const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
 
     const std::int64_t g = p.q_heads / p.kv_heads;
     const Dense q = gather(in.q, p.q, p.batch, p.q_len, p.q_heads, p.head_dim);
@@ -41,7 +44,7 @@ TEST_P(Metamorphic, GqaEqualsRepeatedKvMha) {
     Problem mha = p;
     mha.kv_heads = p.q_heads;
     const Inputs in2 = dense_inputs(mha, q, k_rep, v_rep, c.misalign);
-    const Outputs out2 = run(kernel(), in2);
+    const Outputs out2 = run(call_kernel(kernel()), kernel().name, in2);
     expect_close(p, out, in2.p, out2, tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
                  "GQA vs repeated-KV MHA");
   });
@@ -55,7 +58,7 @@ TEST_P(Metamorphic, KvPermutationInvariance) {
     const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
 
     std::vector<std::int64_t> perm(static_cast<std::size_t>(p.kv_len));
     std::iota(perm.begin(), perm.end(), 0);
@@ -74,7 +77,7 @@ TEST_P(Metamorphic, KvPermutationInvariance) {
               d)];
         });
     const Inputs in2 = dense_inputs(p, q, k2, v2, c.misalign);
-    const Outputs out2 = run(kernel(), in2);
+    const Outputs out2 = run(call_kernel(kernel()), kernel().name, in2);
     expect_close(p, out, in2.p, out2, tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
                  "keys and values permuted");
   });
@@ -89,7 +92,7 @@ TEST_P(Metamorphic, ConstantValuesComeOutUnchanged) {
     if (c.storage == Storage::shared_kv) c.storage = Storage::separate;
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
     const std::int64_t g = p.q_heads / p.kv_heads;
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t h = 0; h < p.q_heads; ++h)
@@ -113,7 +116,7 @@ TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
     const Case c = *gen_case();
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
     const Tolerance tol = tolerance(p, in.q, in.k, in.v, kernel().exp_ulp);
     const std::int64_t g = p.q_heads / p.kv_heads;
     for (std::int64_t b = 0; b < p.batch; ++b)
@@ -156,8 +159,8 @@ TEST_P(Metamorphic, LayoutsAgree) {
     if (flipped.storage == Storage::fused_qkv) flipped.storage = Storage::separate;
     const Inputs in = make_inputs(c);
     const Inputs in2 = make_inputs(flipped);
-    const Outputs out = run(kernel(), in);
-    const Outputs out2 = run(kernel(), in2);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
+    const Outputs out2 = run(call_kernel(kernel()), kernel().name, in2);
     expect_close(in.p, out, in2.p, out2, tolerance(in.p, in.q, in.k, in.v, kernel().exp_ulp),
                  "token-major vs head-major");
   });
@@ -170,7 +173,7 @@ TEST_P(Metamorphic, RowSlicesAreProblemsOfTheirOwn) {
     const Case c = *gen_case();
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
     const std::int64_t r0 = *unsized(rc::gen::inRange<std::int64_t>(0, p.q_len));
     const std::int64_t r1 = *unsized(rc::gen::inRange<std::int64_t>(r0 + 1, p.q_len + 1));
     Problem slice = p;
@@ -180,7 +183,8 @@ TEST_P(Metamorphic, RowSlicesAreProblemsOfTheirOwn) {
       for (std::int64_t i = r0; i < r1; ++i) RC_ASSERT(visible_keys(p, i) == 0);
       return;
     }
-    const Outputs part = run(kernel(), slice, in, in.q + r0 * p.q.seq, in.k, in.v, 7);
+    const Outputs part =
+        run(call_kernel(kernel()), kernel().name, slice, in, in.q + r0 * p.q.seq, in.k, in.v, 7);
     expect_close(p, out, slice, part, tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
                  "rows [" + std::to_string(r0) + ", " + std::to_string(r1) + ") alone", r0);
   });
@@ -195,7 +199,7 @@ TEST_P(Metamorphic, DecodeStepsEqualCausalPrefill) {
     const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
     const Tolerance tol = tolerance(p, in.q, in.k, in.v, kernel().exp_ulp);
     // Every row would cost Lq kernel calls; a sample of 8 keeps the property cheap.
     for (int t = 0; t < 8; ++t) {
@@ -205,7 +209,8 @@ TEST_P(Metamorphic, DecodeStepsEqualCausalPrefill) {
       Problem step = p;
       step.q_len = 1;
       step.kv_len = n;
-      const Outputs one = run(kernel(), step, in, in.q + i * p.q.seq, in.k, in.v, 3);
+      const Outputs one =
+          run(call_kernel(kernel()), kernel().name, step, in, in.q + i * p.q.seq, in.k, in.v, 3);
       expect_close(p, out, step, one, tol, "decode step for row " + std::to_string(i), i);
     }
   });
@@ -220,7 +225,7 @@ TEST_P(Metamorphic, FullyMaskedRowsAreZeros) {
     const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
     const std::int64_t masked = p.q_len - p.kv_len;
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t h = 0; h < p.q_heads; ++h)
@@ -255,7 +260,7 @@ TEST_P(Metamorphic, NonFiniteInputsPropagate) {
     float* base = tensor == 0 ? in.q : (tensor == 1 ? in.k : in.v);
     base[b0 * s.batch + l0 * s.seq + h0 * s.head + d0] = poison;
     in.before = in.arena.snapshot();
-    const Outputs out = run(kernel(), in);
+    const Outputs out = run(call_kernel(kernel()), kernel().name, in);
 
     if (kind == 0 || tensor == 2) {  // the exact set of outputs it reaches is known
       const std::int64_t g = p.q_heads / p.kv_heads;
@@ -306,8 +311,9 @@ TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
       Problem chunk = p;
       chunk.kv_len = cuts[t + 1] - cuts[t];
       chunk.causal = p.causal && t + 2 == cuts.size();
-      parts.push_back(run(kernel(), chunk, in, in.q, in.k + cuts[t] * p.k.seq,
-                          in.v + cuts[t] * p.v.seq, static_cast<std::int64_t>(t)));
+      parts.push_back(run(call_kernel(kernel()), kernel().name, chunk, in, in.q,
+                          in.k + cuts[t] * p.k.seq, in.v + cuts[t] * p.v.seq,
+                          static_cast<std::int64_t>(t)));
     }
     for (const Outputs& part : parts) {
       part_o.push_back(part.o.data());

@@ -6,8 +6,9 @@
 #include <rapidcheck/detail/TestListener.h>
 #include <iostream>
 
-#include "harness.h"
+#include "cases.h"
 #include "mutants/mutants.h"
+#include "run.h"
 
 namespace mha {
 inline void PrintTo(const KernelInfo& k, std::ostream* os) { *os << k.name; }

@@ -6,8 +6,11 @@
 
 #include <cstring>
 
-#include "harness.h"
+#include "buffers.h"
+#include "cases.h"
+#include "compare.h"
 #include "kernel_test.h"
+#include "run.h"
 
 namespace mha::test {
 namespace {
@@ -38,7 +41,7 @@ rc::Gen<Case> gen_split_case() {
 
 void check_driver(const KernelInfo& kernel, const Case& c, int threads) {
   const Inputs in = make_inputs(c);
-  const Outputs out = run_driver(kernel, in, threads);
+  const Outputs out = run(call_driver(kernel, threads), kernel.name, in);
   const Plan pl = plan(in.p);
   const Tolerance tol = merged_tolerance(tolerance(in.p, in.q, in.k, in.v, kernel.exp_ulp),
                                          static_cast<double>(pl.chunks));
@@ -65,9 +68,9 @@ TEST_P(Driver, ThreadCountDoesNotChangeABit) {
   check_property([&] {
     const Case c = *unsized(rc::gen::arbitrary<bool>()) ? *gen_split_case() : *gen_case();
     const Inputs in = make_inputs(c);
-    const Outputs one = run_driver(kernel(), in, 1);
+    const Outputs one = run(call_driver(kernel(), 1), kernel().name, in);
     const int threads = *unsized(rc::gen::inRange(2, 5));
-    const Outputs many = run_driver(kernel(), in, threads);
+    const Outputs many = run(call_driver(kernel(), threads), kernel().name, in);
     const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
     RC_ASSERT(std::memcmp(one.o.data(), many.o.data(), bytes(one.o)) == 0);
     RC_ASSERT(std::memcmp(one.lse.data(), many.lse.data(), bytes(one.lse)) == 0);

@@ -1,0 +1,189 @@
+// The case generator (sizes at and around vector and tile edges) and how a case prints.
+#include "cases.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <vector>
+
+namespace mha::test {
+
+namespace {
+
+const char* name(Layout l) { return l == Layout::token_major ? "token" : "head"; }
+
+const char* name(Storage s) {
+  switch (s) {
+    case Storage::separate:
+      return "separate";
+    case Storage::fused_qkv:
+      return "fused_qkv";
+    case Storage::shared_kv:
+      return "shared_kv";
+    case Storage::broadcast_batch:
+      return "broadcast_batch";
+  }
+  return "?";
+}
+
+const char* name(Values v) {
+  switch (v) {
+    case Values::uniform:
+      return "uniform";
+    case Values::large_logits:
+      return "large_logits";
+    case Values::dominant_key:
+      return "dominant_key";
+    case Values::equal_keys:
+      return "equal_keys";
+    case Values::constant_v:
+      return "constant_v";
+  }
+  return "?";
+}
+
+// Sizes at and around vector and tile boundaries.
+constexpr std::int64_t kEdges[] = {1,  2,  3,  4,  7,  8,  9,   15,  16, 17,
+                                   31, 32, 33, 63, 64, 65, 127, 128, 129};
+
+// A size in [lo, hi]: half the time an edge value (or hi), otherwise biased to small values
+// (uniform below a random power of two), so that most cases are cheap and shrink well.
+rc::Gen<std::int64_t> gen_size(std::int64_t lo, std::int64_t hi) {
+  std::vector<std::int64_t> edges;
+  for (std::int64_t e : kEdges) {
+    if (e >= lo && e <= hi) edges.push_back(e);
+  }
+  edges.push_back(hi);
+  int bits = 0;
+  while ((std::int64_t{1} << bits) < hi - lo + 1) ++bits;
+  // The bit count grows with RapidCheck's size (small cases first); the rest does not.
+  auto small = rc::gen::mapcat(rc::gen::inRange(0, bits + 1), [lo, hi](int b) {
+    return unsized(
+        rc::gen::inRange<std::int64_t>(lo, std::min(hi, lo + (std::int64_t{1} << b) - 1) + 1));
+  });
+  auto edge = unsized(rc::gen::elementOf(edges));
+  return rc::gen::mapcat(unsized(rc::gen::arbitrary<bool>()),
+                         [edge, small](bool at_edge) { return at_edge ? edge : small; });
+}
+
+std::vector<std::int64_t> divisors(std::int64_t n, bool proper) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t d = 1; d <= n; ++d) {
+    if (n % d == 0 && !(proper && d == n)) out.push_back(d);
+  }
+  return out;
+}
+
+double work(const Problem& p) {
+  return static_cast<double>(p.batch) * static_cast<double>(p.q_heads) *
+         static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
+         static_cast<double>(p.head_dim);
+}
+
+}  // namespace
+
+std::ostream& operator<<(std::ostream& os, const Case& c) {
+  const Problem& p = c.p;
+  os << "B=" << p.batch << " H=" << p.q_heads << " Hkv=" << p.kv_heads << " Lq=" << p.q_len
+     << " Lk=" << p.kv_len << " D=" << p.head_dim << " causal=" << p.causal
+     << " scale=" << std::setprecision(9) << p.scale << " layouts(q,kv,o)=" << name(c.q_layout)
+     << "," << name(c.kv_layout) << "," << name(c.o_layout) << " pad=" << c.pad
+     << " misalign=" << c.misalign << " storage=" << name(c.storage) << " values=" << name(c.values)
+     << " value_scale=" << c.value_scale << " seed=" << c.seed;
+  return os;
+}
+
+void showValue(const Case& c, std::ostream& os) { os << c; }
+
+rc::Gen<Case> gen_case(const CaseOptions& o) {
+  return rc::gen::exec([o] {
+    Case c;
+    Problem& p = c.p;
+    const Shape& s = o.shape;
+    const bool long_case =
+        s.long_cases && !o.q_longer && !o.equal_lengths && *unsized(rc::gen::inRange(0, 16)) == 0;
+
+    if (o.grouped) {
+      p.q_heads = *gen_size(2, std::max<std::int64_t>(2, s.max_heads));
+      p.kv_heads = *unsized(rc::gen::elementOf(divisors(p.q_heads, true)));
+    } else {
+      p.q_heads = *gen_size(1, s.max_heads);
+      p.kv_heads = *unsized(rc::gen::elementOf(divisors(p.q_heads, false)));
+    }
+    p.causal = o.causal < 0 ? *unsized(rc::gen::arbitrary<bool>()) : o.causal == 1;
+    double max_work = s.max_work;
+    if (long_case) {
+      p.batch = 1;
+      p.q_len = *unsized(rc::gen::inRange<std::int64_t>(1, 4));
+      p.kv_len = *gen_size(1, 32768);
+      p.head_dim = *gen_size(1, 4096);
+      max_work *= 2.0;
+    } else {
+      p.batch = *gen_size(1, s.max_batch);
+      p.head_dim = *gen_size(1, s.max_dim);
+      if (o.q_longer) {
+        p.kv_len = *gen_size(1, s.max_len - 1);
+        p.q_len = p.kv_len + *gen_size(1, s.max_len - p.kv_len);
+      } else {
+        p.kv_len = *gen_size(1, s.max_len);
+        const bool equal = o.equal_lengths || *unsized(rc::gen::inRange(0, 4)) == 0;
+        p.q_len = equal ? p.kv_len : *gen_size(1, s.max_len);
+      }
+    }
+    // Keep the work per case bounded: the reference is O(B H Lq Lk D) in double.
+    while (work(p) > max_work) {
+      if (p.batch > 1) {
+        p.batch = 1;
+      } else if (p.kv_len >= p.head_dim && p.kv_len >= p.q_len) {
+        p.kv_len = (p.kv_len + 1) / 2;
+      } else if (p.head_dim >= p.q_len) {
+        p.head_dim = (p.head_dim + 1) / 2;
+      } else {
+        p.q_len = (p.q_len + 1) / 2;
+      }
+    }
+    if (o.q_longer && p.q_len <= p.kv_len) p.q_len = p.kv_len + 1;
+    if (o.equal_lengths) p.q_len = p.kv_len = std::min(p.q_len, p.kv_len);
+
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+    if (o.any_scale && *unsized(rc::gen::inRange(0, 8)) == 0) {
+      const int exponent = *unsized(rc::gen::inRange(-4, 4));
+      const bool negative = *unsized(rc::gen::arbitrary<bool>());
+      p.scale = std::ldexp(negative ? -p.scale : p.scale, exponent);
+    }
+
+    const auto layout =
+        unsized(rc::gen::elementOf(std::vector<Layout>{Layout::token_major, Layout::head_major}));
+    c.q_layout = *layout;
+    c.kv_layout = *layout;
+    c.o_layout = *layout;
+    c.pad =
+        *unsized(rc::gen::arbitrary<bool>()) ? 0 : *unsized(rc::gen::inRange<std::int64_t>(1, 18));
+    c.misalign = *unsized(rc::gen::inRange<std::int64_t>(0, 16));
+    if (o.any_storage) {
+      c.storage = *unsized(rc::gen::elementOf(
+          std::vector<Storage>{Storage::separate, Storage::separate, Storage::fused_qkv,
+                               Storage::shared_kv, Storage::broadcast_batch}));
+      if (c.storage == Storage::fused_qkv && p.q_len != p.kv_len) c.storage = Storage::separate;
+    }
+    if (o.any_values) {
+      c.values = *unsized(rc::gen::weightedElement<Values>({{4, Values::uniform},
+                                                            {2, Values::large_logits},
+                                                            {1, Values::dominant_key},
+                                                            {1, Values::equal_keys},
+                                                            {1, Values::constant_v}}));
+    }
+    if (c.values == Values::large_logits) {
+      // q, k uniform in [-a, a]: logits have standard deviation about a^2/3 * |scale| *
+      // sqrt(D); pick a so that typical logits are 1..3000 (the largest about 1e4).
+      const double typical = std::pow(10.0, *unsized(rc::gen::inRange(0, 349)) / 100.0);
+      const double per_scale =
+          std::fabs(static_cast<double>(p.scale)) * std::sqrt(static_cast<double>(p.head_dim));
+      c.value_scale = std::sqrt(3.0 * typical / per_scale);
+    }
+    c.seed = *rc::gen::arbitrary<std::uint64_t>();
+    return c;
+  });
+}
+
+}  // namespace mha::test

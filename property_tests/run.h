@@ -1,0 +1,54 @@
+// Running the code under test: a kernel or the driver as a Call, run on guarded buffers that
+// fail on any write outside its outputs; the equivalence property; properties in GoogleTest.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <mha/attention.h>
+#include <mha/registry.h>
+#include <rapidcheck/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "buffers.h"
+#include "cases.h"
+
+namespace mha::test {
+
+/// The code under test, called with a kernel's arguments (mha::Kernel). The two factories
+/// below make every Call the properties run; they are the only code in the tests that calls
+/// a kernel function or the parallel driver, so a change of the kernel signature is made in
+/// them alone.
+using Call = std::function<void(const Problem&, const float* q, const float* k, const float* v,
+                                float* o, float* lse)>;
+
+/// `kernel` called directly, with a workspace of exactly the size it asks for in a guarded
+/// buffer (a write outside it fails the property, a read before a write shows as NaN).
+Call call_kernel(const KernelInfo& kernel);
+
+/// `kernel` through the parallel driver (mha/parallel.h) on `threads` threads, its
+/// workspace guarded alike.
+Call call_driver(const KernelInfo& kernel, int threads);
+
+/// Runs `call` on the inputs (with lse requested) and asserts (RC_ASSERT) that nothing
+/// outside o's and lse's elements was written, inputs included; failures name it `name`.
+Outputs run(const Call& call, const std::string& name, const Inputs& in, std::int64_t misalign = 0);
+
+/// The same for a problem `p` over the inputs' arena at other pointers (slices, chunks).
+Outputs run(const Call& call, const std::string& name, const Problem& p, const Inputs& in,
+            const float* q, const float* k, const float* v, std::int64_t misalign = 0);
+
+/// The full equivalence property: reference vs kernel on one case.
+void check_equivalence(const KernelInfo& kernel, const Case& c);
+
+/// Runs a RapidCheck property inside the current GoogleTest test, like RC_GTEST_PROP does:
+/// RC_PARAMS controls counts and seeds, a failure prints the shrunk case and its
+/// `reproduce` string.
+template <typename Testable>
+void check_property(Testable&& testable) {
+  rc::detail::checkGTest(std::forward<Testable>(testable));
+}
+
+}  // namespace mha::test
