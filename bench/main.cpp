@@ -311,7 +311,7 @@ std::string compare_with_reference(const Workspace& w, double exp_ulp, bool chec
   return std::string();
 }
 
-// FLOPs as DESIGN.md defines them: 4 D per visible query-key pair, over all B H heads.
+// FLOPs as DESIGN.md (section 8) defines them: 4 D per visible query-key pair, over all B H heads.
 double flops(const Problem& p) {
   double pairs = 0.0;
   for (std::int64_t i = 0; i < p.q_len; ++i) pairs += static_cast<double>(visible_keys(p, i));

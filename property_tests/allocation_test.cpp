@@ -178,22 +178,32 @@ TEST(Allocations, AttentionAllocatesNothingInSteadyState) {
 }
 
 // A kernel's workspace depends on the sizes and never decreases when q_len or kv_len grows:
-// the driver sizes one thread's workspace for its largest unit by that rule.
-RC_GTEST_PROP(Workspace, NeverShrinksAsLengthsGrow, ()) {
+// the driver sizes one thread's workspace for its largest unit by that rule. Checked for
+// the kernels this CPU may run (a _workspace function is compiled with its kernel's ISA
+// flags), on shapes of every size and, apart, on tiny ones, where the tiles are smallest
+// and a kernel may change paths.
+void check_workspace_never_shrinks(std::int64_t max_dim, std::int64_t max_len) {
   const std::int64_t kv_heads = *rc::gen::inRange<std::int64_t>(1, 5);
-  const std::int64_t group = *rc::gen::inRange<std::int64_t>(1, 9);
-  const std::int64_t dim = *rc::gen::inRange<std::int64_t>(1, 300);
-  const std::int64_t q_len = *rc::gen::inRange<std::int64_t>(1, 600);
-  const std::int64_t kv_len = *rc::gen::inRange<std::int64_t>(1, 5000);
+  const std::int64_t group = *rc::gen::inRange<std::int64_t>(1, 17);
+  const std::int64_t dim = *rc::gen::inRange<std::int64_t>(1, max_dim + 1);
+  const std::int64_t q_len = *rc::gen::inRange<std::int64_t>(1, max_len + 1);
+  const std::int64_t kv_len = *rc::gen::inRange<std::int64_t>(1, 8 * max_len + 1);
   const bool causal = *rc::gen::arbitrary<bool>();
   const mha::Problem p =
       mha::make_problem(1, q_len, kv_len, group * kv_heads, kv_heads, dim, causal);
   mha::Problem longer = p;
-  longer.q_len += *rc::gen::inRange<std::int64_t>(0, 600);
-  longer.kv_len += *rc::gen::inRange<std::int64_t>(0, 5000);
+  longer.q_len += *rc::gen::inRange<std::int64_t>(0, max_len + 1);
+  longer.kv_len += *rc::gen::inRange<std::int64_t>(0, 8 * max_len + 1);
   for (const mha::KernelInfo& kernel : mha::all_kernels()) {
+    if (!mha::available(kernel)) continue;
     RC_ASSERT(kernel.workspace(p) <= kernel.workspace(longer));
   }
+}
+
+RC_GTEST_PROP(Workspace, NeverShrinksAsLengthsGrow, ()) { check_workspace_never_shrinks(300, 600); }
+
+RC_GTEST_PROP(Workspace, NeverShrinksAsLengthsGrowOnTinyShapes, ()) {
+  check_workspace_never_shrinks(4, 20);
 }
 
 }  // namespace

@@ -32,8 +32,9 @@ namespace {
 
 // Calls f(ws) with a workspace of exactly `bytes` bytes in a guarded buffer: filled with the
 // pattern, so a read before a write shows as NaN in the output, and a write past either end
-// fails the property. Its start moves with the problem (0 to 15 floats past a 64-byte
-// boundary), so the code under test cannot rely on an alignment it was not promised.
+// fails the property. Its start moves with the problem (0 to 15 floats past the start of
+// the buffer's allocation), so the code under test cannot rely on an alignment it was not
+// promised.
 template <typename F>
 void with_workspace(const Problem& p, std::size_t bytes, const char* name, F&& f) {
   Guarded ws(static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float)),

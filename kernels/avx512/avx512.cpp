@@ -811,8 +811,16 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 
 std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
   if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+  // At least what the largest decode (15 rows) needs: a workspace never shrinks as q_len
+  // grows, even where the path changes (at head_dim 1, 15 decode rows need more than a
+  // 16-row block).
+  mha::Problem largest_decode = p;
+  largest_decode.q_heads = p.kv_heads;
+  largest_decode.q_len = 15;
   const Tiling tiling = choose_tiling(p);
-  return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
+  return std::max(
+      mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+      mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
 void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,

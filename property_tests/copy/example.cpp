@@ -1,5 +1,6 @@
 // A kernel used from a copy: README.md's "Copying a kernel into your project" builds this file
-// with one kernel's files, mha/attention.h and mha/support.h alone, and the copy/<kernel> ctests do
+// with one kernel's files and mha/attention.h alone (the tiled kernels' files include
+// mha/support.h), and the copy/<kernel> ctests do
 // exactly that in an empty folder, for every kernel of the README's table. It runs one small
 // problem and compares the kernel with attention computed here in double precision.
 //
@@ -32,7 +33,7 @@
 #define MHA_EXAMPLE_WORKSPACE MHA_EXAMPLE_CAT(MHA_EXAMPLE_FUNCTION, _workspace)
 
 // From the kernel file, e.g. avx2.cpp. Call them only with a problem that passed mha::check,
-// the kernel only on a CPU with its ISA (the workspace size is plain C++: any CPU).
+// and only on a CPU with the kernel's ISA: both are compiled with its flags.
 void MHA_EXAMPLE_FUNCTION(const mha::Problem& p, const float* q, const float* k, const float* v,
                           float* o, float* lse, mha::Workspace ws);
 std::size_t MHA_EXAMPLE_WORKSPACE(const mha::Problem& p);

@@ -129,7 +129,8 @@ struct Workspace {
 };
 
 /// How many bytes of workspace a kernel needs for p (which must pass check()). It depends on
-/// the shapes only, never on the data, and never decreases when q_len or kv_len grows.
+/// the sizes only (not on causal, scale, strides or data) and never decreases when q_len
+/// or kv_len grows. Compiled with its kernel's ISA flags: call it where the kernel may run.
 using WorkspaceSize = std::size_t (*)(const Problem& p);
 
 /// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k, v, o

@@ -19,11 +19,11 @@ namespace mha {
 ///   A unit's block of query rows is kUnitRows / g long, within [kMinRowBlock, kRowBlock],
 ///   so that a unit is about 512 rows of all g heads (a block of the avx512 kernel); MQA
 ///   (g = 32) gets 16-row blocks. Rows are sliced with bottom-right causal alignment
-///   (DESIGN.md): rows [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no
+///   (DESIGN.md, section 4): rows [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no
 ///   key is written as zeros and lse = -inf by the driver itself.
 /// * Split-KV: when there are fewer units than kMinUnits and the KV length is long
 ///   (decoding), each unit's KV range is cut into chunks; each chunk runs with lse into
-///   scratch and the chunks are merged exactly with mha::merge. Chunks of a causal unit end
+///   workspace and the chunks are merged exactly (mha::merge's arithmetic). Chunks of a causal unit end
 ///   at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole,
 ///   except the last, which stays causal.
 struct Plan {
