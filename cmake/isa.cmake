@@ -2,7 +2,8 @@
 # kernels' exp tests and the benchmark's probe loops take them from here. Each set enables
 # exactly the features that the ISA's line of isa.inc detects at run time, so a file built
 # with it runs only where cpu_supports says so. README.md's copy table shows the same flags
-# to users.
+# to users; the ctest copy/readme-flags checks that it agrees with this file
+# (cmake/check_readme_flags.cmake).
 #
 # GCC and Clang spelling. An ISA that the target has as its baseline needs no flags.
 set(MHA_ISA_FLAGS_scalar "")
