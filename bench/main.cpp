@@ -245,13 +245,14 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
   w = Workspace();
   w.key = key;
   w.p = workspace_problem(s);
-  // A decode measured against DRAM rotates over copies of its KV cache that together
-  // exceed 3x the last-level cache the system reports, so no call finds its data in any
-  // cache level, whatever its true size (a VM may report 480 MiB of L3 that reads at DRAM
-  // speed, yet keeps a 33 MB working set: read once per call it streamed at 1.5x DRAM).
+  // A decode that reads from DRAM (probe.h: reads_from) rotates over copies of its KV
+  // cache that together exceed 3x the last-level cache the system reports, so no call finds
+  // its data in any cache level, whatever its true size (a VM may report 480 MiB of L3 that
+  // reads at DRAM speed, yet keeps a 33 MB working set: read once per call it streamed at
+  // 1.5x DRAM).
   const std::int64_t ws = kv_bytes(w.p);
-  const std::int64_t llc = probe.caches.last_level();
-  if (s.decode() && llc > 0 && ws >= 4 * probe.memory_level()) {
+  if (s.decode() && probe.level_of(ws) == Level::dram) {
+    const std::int64_t llc = probe.caches.last_level();
     w.copies = static_cast<int>(std::max<std::int64_t>(2, (3 * llc + ws - 1) / ws));
   }
   for (int c = 0; c < w.copies; ++c) {
@@ -321,25 +322,31 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   state.counters["GFLOPS"] = gflops;
   state.counters["peak_frac"] = gflops / probe.fma_peak(isa).gflops[all];
   if (!s.decode()) return;
-  const double bytes = static_cast<double>(kv_bytes(p));
-  const double gbps = bytes / 1e9 * per_second;
-  state.counters["kv_bytes"] = bytes;
+  const std::int64_t bytes = kv_bytes(p);
+  const double gbps = static_cast<double>(bytes) / 1e9 * per_second;
+  state.counters["kv_bytes"] = static_cast<double>(bytes);
   state.counters["GBps"] = gbps;
-  const Caches& caches = probe.caches;
   double limit = 0.0;
-  if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(probe.memory_level())) {
-    limit = probe.dram_gbps[all];
-    // Faster than the DRAM figure measured at the start of the run: the memory bandwidth
-    // has drifted (by 10% over minutes on a shared VM), or the probe is wrong. Measured again
-    // now, after the timed loop; the reporter turns a fraction still above 1 into an error.
-    if (gbps > limit) {
-      limit = std::max(limit, measure_dram_gbps(caches, all ? probe.cores : 1));
-      state.counters["dram_gbps_now"] = limit;
-    }
-    state.SetLabel("bw:dram");
-  } else if (caches.l2 > 0 && bytes <= static_cast<double>(caches.l2) / 2) {
-    limit = probe.l2_gbps[all];
-    state.SetLabel("bw:l2");
+  switch (probe.level_of(bytes)) {
+    case Level::dram:
+      // Measured by the probe (main measures DRAM whenever may_read_dram says a benchmark
+      // may need it). Faster than that figure from the start of the run: the memory
+      // bandwidth has drifted (by 10% over minutes on a shared VM), or the probe is wrong.
+      // Measured again now, after the timed loop; the reporter turns a fraction still above
+      // 1 into an error.
+      limit = probe.dram_gbps[all];
+      if (gbps > limit) {
+        limit = std::max(limit, measure_dram_gbps(probe.caches, all ? probe.cores : 1));
+        state.counters["dram_gbps_now"] = limit;
+      }
+      state.SetLabel("bw:dram");
+      break;
+    case Level::l2:
+      limit = probe.l2_gbps[all];
+      state.SetLabel("bw:l2");
+      break;
+    case Level::between:
+      break;
   }
   if (limit > 0) state.counters["bw_frac"] = gbps / limit;
 }
@@ -544,18 +551,16 @@ int main(int argc, char** argv) {
   }
   const std::vector<Shape> all_shapes =
       shapes(size, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  // Whether the L3 is faster than memory is only known once the probe has run: DRAM is
+  // measured if any decode may read from it (probe.h: may_read_dram), which covers every
+  // decode the probe's memory level then puts in DRAM.
   const Caches caches = detect_caches();
   bool need_dram = false;
   for (const Shape& s : all_shapes) {
-    const mha::Problem p =
-        mha::make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim);
-    // Whether the L3 is faster than memory is only known once the probe has run: any
-    // working set past 4x the L2 may be DRAM-bound.
-    const std::int64_t l2 = caches.l2 > 0 ? caches.l2 : caches.last_level();
-    need_dram |= s.decode() && static_cast<double>(kv_bytes(p)) >= 4.0 * static_cast<double>(l2);
+    need_dram |= s.decode() && may_read_dram(kv_bytes(workspace_problem(s)), caches);
   }
   std::fprintf(stderr, "mha_bench: probing the machine...\n");
-  static const Probe probe = run_probe(need_dram || size == Size::full || probe_only);
+  static const Probe probe = run_probe(caches, need_dram || size == Size::full || probe_only);
 
   const auto ctx = [](const std::string& k, const std::string& v) {
     benchmark::AddCustomContext(k, v);
