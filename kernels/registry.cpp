@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 
-#define MHA_KERNEL(name, isa, function, exp_ulp)                                                 \
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled)                                          \
   void function(const mha::Problem& p, const float* q, const float* k, const float* v, float* o, \
                 float* lse);
 #include "registry.inc"
@@ -16,8 +16,7 @@ namespace mha {
 
 const std::vector<KernelInfo>& all_kernels() {
   static const std::vector<KernelInfo> kernels = {
-// NOLINTNEXTLINE(bugprone-macro-parentheses): isa is a scoped enumerator name
-#define MHA_KERNEL(name, isa, function, exp_ulp) {#name, Isa::isa, &function, exp_ulp},
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled) {#name, Isa::isa, function, exp_ulp, tiled},
 #include "registry.inc"
 #undef MHA_KERNEL
   };

@@ -43,6 +43,7 @@ struct KernelInfo {
   Isa isa;
   Kernel fn;
   double exp_ulp;
+  bool tiled;
 };
 
 /// Every kernel compiled into this build, in registry order (slowest first).
