@@ -58,7 +58,21 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // What is measured
 
-enum class Size { quick, standard, full };
+// --size=quick, --size=default (what runs without the flag), --size=full.
+enum class Size { quick, default_size, full };
+
+// The name on the command line and in the JSON context (mha_size).
+const char* size_name(Size size) {
+  switch (size) {
+    case Size::quick:
+      return "quick";
+    case Size::default_size:
+      return "default";
+    case Size::full:
+      return "full";
+  }
+  return "unknown";
+}
 
 struct Shape {
   std::string family;  // prefill, decode, heads
@@ -164,23 +178,23 @@ void onednn_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, f
 
 std::vector<Impl> implementations() {
   std::vector<Impl> out;
-  for (const KernelInfo& k : all_kernels()) {
-    if (!available(k)) continue;
-    const Kernel fn = k.fn;
+  for (const KernelInfo& kernel : all_kernels()) {
+    if (!available(kernel)) continue;
+    const Kernel fn = kernel.fn;
     out.push_back(
-        {k.name, k.exp_ulp,
-         [fn](const Problem& p, const float* q, const float* kk, const float* v, float* o,
-              float* lse, int threads) { parallel_attention(fn, p, q, kk, v, o, lse, threads); },
-         k.tiled, isa_name(k.isa)});
+        {kernel.name, kernel.exp_ulp,
+         [fn](const Problem& p, const float* q, const float* k, const float* v, float* o,
+              float* lse, int threads) { parallel_attention(fn, p, q, k, v, o, lse, threads); },
+         kernel.tiled, isa_name(kernel.isa)});
   }
   // A composed baseline: its library's threads set to the benchmark's, then the composition.
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
-    auto c = std::make_shared<Composed>(gemm);
+    auto baseline = std::make_shared<Composed>(gemm);
     out.push_back({name, kComposedExpUlp,
-                   [c, set_threads](const Problem& p, const float* q, const float* k,
-                                    const float* v, float* o, float* lse, int threads) {
+                   [baseline, set_threads](const Problem& p, const float* q, const float* k,
+                                           const float* v, float* o, float* lse, int threads) {
                      set_threads(threads);
-                     c->run(p, q, k, v, o, lse);
+                     baseline->run(p, q, k, v, o, lse);
                    },
                    true, ""});
   };
@@ -483,57 +497,58 @@ std::string fixed(double x, int digits = 1) {
 int main(int argc, char** argv) {
   using namespace mha::bench;
   // Our own flags, taken out before Google Benchmark parses the rest.
-  Size size = Size::standard;
+  Size size = Size::default_size;
   bool probe_only = false;
   std::string peers_command;  // --peers=CMD: the framework peers' server (peers.h)
   int rounds = 1;             // --rounds=N: every shape's kernels and peers N times, alternating
   std::vector<char*> args;
   bool json_out = false, json_display = false;
   for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--size=", 0) == 0) {
-      const std::string v = a.substr(7);
-      if (v == "quick") {
-        size = Size::quick;
-      } else if (v == "default") {
-        size = Size::standard;
-      } else if (v == "full") {
-        size = Size::full;
-      } else {
+    const std::string arg = argv[i];
+    if (arg.rfind("--size=", 0) == 0) {
+      const std::string value = arg.substr(7);
+      bool known = false;
+      for (Size candidate : {Size::quick, Size::default_size, Size::full}) {
+        if (value == size_name(candidate)) {
+          size = candidate;
+          known = true;
+        }
+      }
+      if (!known) {
         std::fprintf(stderr, "mha_bench: --size must be quick, default or full, not '%s'\n",
-                     v.c_str());
+                     value.c_str());
         return 2;
       }
       continue;
     }
-    if (a == "--probe_only") {
+    if (arg == "--probe_only") {
       probe_only = true;
       continue;
     }
-    if (a.rfind("--peers=", 0) == 0) {
-      peers_command = a.substr(8);
+    if (arg.rfind("--peers=", 0) == 0) {
+      peers_command = arg.substr(8);
       continue;
     }
-    if (a.rfind("--rounds=", 0) == 0) {
-      rounds = std::atoi(a.c_str() + 9);
+    if (arg.rfind("--rounds=", 0) == 0) {
+      rounds = std::atoi(arg.c_str() + 9);
       if (rounds < 1 || rounds > 100) {
-        std::fprintf(stderr, "mha_bench: --rounds must be 1 to 100, not '%s'\n", a.c_str() + 9);
+        std::fprintf(stderr, "mha_bench: --rounds must be 1 to 100, not '%s'\n", arg.c_str() + 9);
         return 2;
       }
       continue;
     }
-    if (a.rfind("--benchmark_out=", 0) == 0) json_out = true;
-    if (a == "--benchmark_out_format=console" || a == "--benchmark_out_format=csv") {
+    if (arg.rfind("--benchmark_out=", 0) == 0) json_out = true;
+    if (arg == "--benchmark_out_format=console" || arg == "--benchmark_out_format=csv") {
       std::fprintf(stderr, "mha_bench: only --benchmark_out_format=json is supported\n");
       return 2;
     }
-    if (a == "--benchmark_format=json") json_display = true;
+    if (arg == "--benchmark_format=json") json_display = true;
     args.push_back(argv[i]);
   }
   // A default minimum time per benchmark (Google Benchmark's own flag, so that names carry
   // no per-benchmark suffix); a --benchmark_min_time given by the user comes later and wins.
   bool user_min_time = false;
-  for (char* a : args) user_min_time |= std::strncmp(a, "--benchmark_min_time=", 21) == 0;
+  for (char* arg : args) user_min_time |= std::strncmp(arg, "--benchmark_min_time=", 21) == 0;
   static char quick_min_time[] = "--benchmark_min_time=0.01";
   static char default_min_time[] = "--benchmark_min_time=0.3";
   if (!user_min_time) {
@@ -563,10 +578,10 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "mha_bench: probing the machine...\n");
   static const Probe probe = run_probe(caches, need_dram || size == Size::full || probe_only);
 
-  const auto ctx = [](const std::string& k, const std::string& v) {
-    benchmark::AddCustomContext(k, v);
+  const auto ctx = [](const std::string& key, const std::string& value) {
+    benchmark::AddCustomContext(key, value);
   };
-  ctx("mha_size", size == Size::quick ? "quick" : (size == Size::full ? "full" : "default"));
+  ctx("mha_size", size_name(size));
   ctx("mha_commit", MHA_COMMIT);
   ctx("mha_compiler", MHA_COMPILER);
   ctx("mha_flags", MHA_FLAGS);
