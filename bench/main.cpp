@@ -58,7 +58,21 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // What is measured
 
-enum class Size { quick, standard, full };
+// --size=quick, --size=default (what runs without the flag), --size=full.
+enum class Size { quick, default_size, full };
+
+// The name on the command line and in the JSON context (mha_size).
+const char* size_name(Size size) {
+  switch (size) {
+    case Size::quick:
+      return "quick";
+    case Size::default_size:
+      return "default";
+    case Size::full:
+      return "full";
+  }
+  return "unknown";
+}
 
 struct Shape {
   std::string family;  // prefill, decode, heads
@@ -137,7 +151,8 @@ struct Impl {
   std::function<void(const Problem&, const float*, const float*, const float*, float*, float*,
                      int threads)>
       run;
-  bool naive = false;
+  // registry.inc's `tiled`; the baselines' sgemm blocks for the caches too.
+  bool tiled = true;
   // The ISA whose FMA peak peak_frac is over: the kernel's; empty for the baselines (the
   // widest, as for scalar kernels).
   std::string isa;
@@ -163,31 +178,31 @@ void onednn_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, f
 
 std::vector<Impl> implementations() {
   std::vector<Impl> out;
-  for (const KernelInfo& k : all_kernels()) {
-    if (!available(k)) continue;
+  for (const KernelInfo& kernel : all_kernels()) {
+    if (!available(kernel)) continue;
     // The driver's workspace, grown on a benchmark's first call (the check against the
     // reference, before the timed loop), so that timed calls allocate nothing.
     auto workspace = std::make_shared<std::vector<unsigned char>>();
-    out.push_back({k.name, k.exp_ulp,
-                   [kernel = &k, workspace](const Problem& p, const float* q, const float* kk,
-                                            const float* v, float* o, float* lse, int threads) {
-                     const std::size_t bytes = parallel_workspace(kernel->workspace, p, threads);
+    out.push_back({kernel.name, kernel.exp_ulp,
+                   [info = &kernel, workspace](const Problem& p, const float* q, const float* k,
+                                               const float* v, float* o, float* lse, int threads) {
+                     const std::size_t bytes = parallel_workspace(info->workspace, p, threads);
                      if (workspace->size() < bytes) workspace->resize(bytes);
-                     parallel_attention(kernel->fn, kernel->workspace, p, q, kk, v, o, lse, threads,
+                     parallel_attention(info->fn, info->workspace, p, q, k, v, o, lse, threads,
                                         Workspace{workspace->data(), bytes});
                    },
-                   std::string(k.name) == "naive", isa_name(k.isa)});
+                   kernel.tiled, isa_name(kernel.isa)});
   }
   // A composed baseline: its library's threads set to the benchmark's, then the composition.
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
-    auto c = std::make_shared<Composed>(gemm);
+    auto baseline = std::make_shared<Composed>(gemm);
     out.push_back({name, kComposedExpUlp,
-                   [c, set_threads](const Problem& p, const float* q, const float* k,
-                                    const float* v, float* o, float* lse, int threads) {
+                   [baseline, set_threads](const Problem& p, const float* q, const float* k,
+                                           const float* v, float* o, float* lse, int threads) {
                      set_threads(threads);
-                     c->run(p, q, k, v, o, lse);
+                     baseline->run(p, q, k, v, o, lse);
                    },
-                   false, ""});
+                   true, ""});
   };
 #if MHA_HAVE_OPENBLAS
   composed("composed-openblas", &openblas_gemm, [](int n) { openblas_set_num_threads(n); });
@@ -251,13 +266,14 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
   w = Workspace();
   w.key = key;
   w.p = workspace_problem(s);
-  // A decode measured against DRAM rotates over copies of its KV cache that together
-  // exceed 3x the last-level cache the system reports, so no call finds its data in any
-  // cache level, whatever its true size (a VM may report 480 MiB of L3 that reads at DRAM
-  // speed, yet keeps a 33 MB working set: read once per call it streamed at 1.5x DRAM).
+  // A decode that reads from DRAM (probe.h: reads_from) rotates over copies of its KV
+  // cache that together exceed 3x the last-level cache the system reports, so no call finds
+  // its data in any cache level, whatever its true size (a VM may report 480 MiB of L3 that
+  // reads at DRAM speed, yet keeps a 33 MB working set: read once per call it streamed at
+  // 1.5x DRAM).
   const std::int64_t ws = kv_bytes(w.p);
-  const std::int64_t llc = probe.caches.last_level();
-  if (s.decode() && llc > 0 && ws >= 4 * probe.memory_level()) {
+  if (s.decode() && probe.level_of(ws) == Level::dram) {
+    const std::int64_t llc = probe.caches.last_level();
     w.copies = static_cast<int>(std::max<std::int64_t>(2, (3 * llc + ws - 1) / ws));
   }
   for (int c = 0; c < w.copies; ++c) {
@@ -327,25 +343,31 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   state.counters["GFLOPS"] = gflops;
   state.counters["peak_frac"] = gflops / probe.fma_peak(isa).gflops[all];
   if (!s.decode()) return;
-  const double bytes = static_cast<double>(kv_bytes(p));
-  const double gbps = bytes / 1e9 * per_second;
-  state.counters["kv_bytes"] = bytes;
+  const std::int64_t bytes = kv_bytes(p);
+  const double gbps = static_cast<double>(bytes) / 1e9 * per_second;
+  state.counters["kv_bytes"] = static_cast<double>(bytes);
   state.counters["GBps"] = gbps;
-  const Caches& caches = probe.caches;
   double limit = 0.0;
-  if (probe.dram_gbps[all] > 0 && bytes >= 4.0 * static_cast<double>(probe.memory_level())) {
-    limit = probe.dram_gbps[all];
-    // Faster than the DRAM figure measured at the start of the run: the memory bandwidth
-    // has drifted (by 10% over minutes on a shared VM), or the probe is wrong. Measured again
-    // now, after the timed loop; the reporter turns a fraction still above 1 into an error.
-    if (gbps > limit) {
-      limit = std::max(limit, measure_dram_gbps(caches, all ? probe.cores : 1));
-      state.counters["dram_gbps_now"] = limit;
-    }
-    state.SetLabel("bw:dram");
-  } else if (caches.l2 > 0 && bytes <= static_cast<double>(caches.l2) / 2) {
-    limit = probe.l2_gbps[all];
-    state.SetLabel("bw:l2");
+  switch (probe.level_of(bytes)) {
+    case Level::dram:
+      // Measured by the probe (main measures DRAM whenever may_read_dram says a benchmark
+      // may need it). Faster than that figure from the start of the run: the memory
+      // bandwidth has drifted (by 10% over minutes on a shared VM), or the probe is wrong.
+      // Measured again now, after the timed loop; the reporter turns a fraction still above
+      // 1 into an error.
+      limit = probe.dram_gbps[all];
+      if (gbps > limit) {
+        limit = std::max(limit, measure_dram_gbps(probe.caches, all ? probe.cores : 1));
+        state.counters["dram_gbps_now"] = limit;
+      }
+      state.SetLabel("bw:dram");
+      break;
+    case Level::l2:
+      limit = probe.l2_gbps[all];
+      state.SetLabel("bw:l2");
+      break;
+    case Level::between:
+      break;
   }
   if (limit > 0) state.counters["bw_frac"] = gbps / limit;
 }
@@ -481,57 +503,58 @@ std::string fixed(double x, int digits = 1) {
 int main(int argc, char** argv) {
   using namespace mha::bench;
   // Our own flags, taken out before Google Benchmark parses the rest.
-  Size size = Size::standard;
+  Size size = Size::default_size;
   bool probe_only = false;
   std::string peers_command;  // --peers=CMD: the framework peers' server (peers.h)
   int rounds = 1;             // --rounds=N: every shape's kernels and peers N times, alternating
   std::vector<char*> args;
   bool json_out = false, json_display = false;
   for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--size=", 0) == 0) {
-      const std::string v = a.substr(7);
-      if (v == "quick") {
-        size = Size::quick;
-      } else if (v == "default") {
-        size = Size::standard;
-      } else if (v == "full") {
-        size = Size::full;
-      } else {
+    const std::string arg = argv[i];
+    if (arg.rfind("--size=", 0) == 0) {
+      const std::string value = arg.substr(7);
+      bool known = false;
+      for (Size candidate : {Size::quick, Size::default_size, Size::full}) {
+        if (value == size_name(candidate)) {
+          size = candidate;
+          known = true;
+        }
+      }
+      if (!known) {
         std::fprintf(stderr, "mha_bench: --size must be quick, default or full, not '%s'\n",
-                     v.c_str());
+                     value.c_str());
         return 2;
       }
       continue;
     }
-    if (a == "--probe_only") {
+    if (arg == "--probe_only") {
       probe_only = true;
       continue;
     }
-    if (a.rfind("--peers=", 0) == 0) {
-      peers_command = a.substr(8);
+    if (arg.rfind("--peers=", 0) == 0) {
+      peers_command = arg.substr(8);
       continue;
     }
-    if (a.rfind("--rounds=", 0) == 0) {
-      rounds = std::atoi(a.c_str() + 9);
+    if (arg.rfind("--rounds=", 0) == 0) {
+      rounds = std::atoi(arg.c_str() + 9);
       if (rounds < 1 || rounds > 100) {
-        std::fprintf(stderr, "mha_bench: --rounds must be 1 to 100, not '%s'\n", a.c_str() + 9);
+        std::fprintf(stderr, "mha_bench: --rounds must be 1 to 100, not '%s'\n", arg.c_str() + 9);
         return 2;
       }
       continue;
     }
-    if (a.rfind("--benchmark_out=", 0) == 0) json_out = true;
-    if (a == "--benchmark_out_format=console" || a == "--benchmark_out_format=csv") {
+    if (arg.rfind("--benchmark_out=", 0) == 0) json_out = true;
+    if (arg == "--benchmark_out_format=console" || arg == "--benchmark_out_format=csv") {
       std::fprintf(stderr, "mha_bench: only --benchmark_out_format=json is supported\n");
       return 2;
     }
-    if (a == "--benchmark_format=json") json_display = true;
+    if (arg == "--benchmark_format=json") json_display = true;
     args.push_back(argv[i]);
   }
   // A default minimum time per benchmark (Google Benchmark's own flag, so that names carry
   // no per-benchmark suffix); a --benchmark_min_time given by the user comes later and wins.
   bool user_min_time = false;
-  for (char* a : args) user_min_time |= std::strncmp(a, "--benchmark_min_time=", 21) == 0;
+  for (char* arg : args) user_min_time |= std::strncmp(arg, "--benchmark_min_time=", 21) == 0;
   static char quick_min_time[] = "--benchmark_min_time=0.01";
   static char default_min_time[] = "--benchmark_min_time=0.3";
   if (!user_min_time) {
@@ -550,23 +573,21 @@ int main(int argc, char** argv) {
   }
   const std::vector<Shape> all_shapes =
       shapes(size, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  // Whether the L3 is faster than memory is only known once the probe has run: DRAM is
+  // measured if any decode may read from it (probe.h: may_read_dram), which covers every
+  // decode the probe's memory level then puts in DRAM.
   const Caches caches = detect_caches();
   bool need_dram = false;
   for (const Shape& s : all_shapes) {
-    const mha::Problem p =
-        mha::make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim);
-    // Whether the L3 is faster than memory is only known once the probe has run: any
-    // working set past 4x the L2 may be DRAM-bound.
-    const std::int64_t l2 = caches.l2 > 0 ? caches.l2 : caches.last_level();
-    need_dram |= s.decode() && static_cast<double>(kv_bytes(p)) >= 4.0 * static_cast<double>(l2);
+    need_dram |= s.decode() && may_read_dram(kv_bytes(workspace_problem(s)), caches);
   }
   std::fprintf(stderr, "mha_bench: probing the machine...\n");
-  static const Probe probe = run_probe(need_dram || size == Size::full || probe_only);
+  static const Probe probe = run_probe(caches, need_dram || size == Size::full || probe_only);
 
-  const auto ctx = [](const std::string& k, const std::string& v) {
-    benchmark::AddCustomContext(k, v);
+  const auto ctx = [](const std::string& key, const std::string& value) {
+    benchmark::AddCustomContext(key, value);
   };
-  ctx("mha_size", size == Size::quick ? "quick" : (size == Size::full ? "full" : "default"));
+  ctx("mha_size", size_name(size));
   ctx("mha_commit", MHA_COMMIT);
   ctx("mha_compiler", MHA_COMPILER);
   ctx("mha_flags", MHA_FLAGS);
@@ -660,8 +681,9 @@ int main(int argc, char** argv) {
     }
     for (int r = 0; r < rounds; ++r) {
       for (const Impl& impl : impls) {
-        // naive is O(Lq Lk D) with poor locality: beyond 2048 it would take minutes a run.
-        if (impl.naive && s.q_len > 2048) continue;
+        // An untiled kernel streams its head's K and V once per query row: beyond 2048 rows
+        // a run would take minutes.
+        if (!impl.tiled && s.q_len > 2048) continue;
         benchmark::RegisterBenchmark(s.name(impl.name).c_str(),
                                      [impl, s, shape, index, shape_count](benchmark::State& st) {
                                        progress(shape, index, shape_count);

@@ -216,10 +216,26 @@ std::int64_t Probe::memory_level() const {
   return caches.last_level();
 }
 
-Probe run_probe(bool dram) {
+Level Probe::level_of(std::int64_t bytes) const {
+  return reads_from(bytes, caches, memory_level());
+}
+
+Level reads_from(std::int64_t bytes, const Caches& caches, std::int64_t memory_level) {
+  if (bytes >= 4 * memory_level) return Level::dram;
+  if (caches.l2 > 0 && 2 * bytes <= caches.l2) return Level::l2;
+  return Level::between;
+}
+
+bool may_read_dram(std::int64_t bytes, const Caches& caches) {
+  const std::int64_t smallest =
+      caches.l2 > 0 ? std::min(caches.l2, caches.last_level()) : caches.last_level();
+  return reads_from(bytes, caches, smallest) == Level::dram;
+}
+
+Probe run_probe(const Caches& caches, bool dram) {
   Probe p;
   p.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  p.caches = detect_caches();
+  p.caches = caches;
   const std::vector<ProbeKernels> kernels = vector_kernels();
   for (const ProbeKernels& k : kernels) p.fma.push_back({k.isa});
   const ProbeKernels& k = kernels.front();  // reads with the widest vectors

@@ -15,6 +15,29 @@ struct Caches {
 };
 Caches detect_caches();
 
+/// Where the data a benchmark reads once per call comes from, for the bandwidth it is
+/// measured against.
+enum class Level {
+  l2,       ///< fits in half the L2
+  between,  ///< some cache level between: no probe figure applies
+  dram,     ///< memory
+};
+
+/// The one rule: a working set of `bytes`, read once per call, comes from DRAM when it is
+/// at least 4x `memory_level` (the last cache level faster than memory: Probe::memory_level),
+/// so that at most a quarter of it can be left in that cache from the call before; from the
+/// L2 when it fits in half the L2 (the other half holds everything else); else from a level
+/// between. Used to rotate a benchmark's inputs over copies (dram), to pick the bandwidth
+/// its bw_frac is over, and, before the probe ran, by may_read_dram. Being DRAM only gets
+/// more likely as `memory_level` shrinks (the rule is monotone in it).
+Level reads_from(std::int64_t bytes, const Caches& caches, std::int64_t memory_level);
+
+/// Whether a working set of `bytes` may read from DRAM once the probe has run, decided
+/// before: the probe's memory_level() is caches.l2 or caches.last_level(), so the rule at
+/// the smaller of the two says dram whenever the rule after the probe can. Measuring DRAM
+/// when this holds for some benchmark measures it for every benchmark that needs it.
+bool may_read_dram(std::int64_t bytes, const Caches& caches);
+
 /// The fp32 FMA peak with one instruction set's vector FMA.
 struct FmaPeak {
   std::string isa;        ///< an mha::isa_name, or "scalar" (multiply and add)
@@ -34,11 +57,15 @@ struct Probe {
   /// else the widest (scalar kernels, baselines).
   const FmaPeak& fma_peak(const std::string& isa) const;
 
-  /// The last cache level that is faster than memory: the L3 when its one-core read
-  /// bandwidth is at least 1.25x DRAM's, else the L2 (a virtual machine may report an L3
-  /// that reads at DRAM speed), else what the system reports. Working sets of 4x this
-  /// size and more are DRAM-bound.
+  /// The size of the last cache level that is faster than memory: the L3 when its one-core
+  /// read bandwidth is at least 1.25x DRAM's, else the L2 (a virtual machine may report an
+  /// L3 that reads at DRAM speed), else what the system reports. Without a DRAM figure,
+  /// caches.last_level(). So always caches.l2 or caches.last_level().
   std::int64_t memory_level() const;
+
+  /// The level a working set of `bytes` is read from: reads_from(bytes, caches,
+  /// memory_level()).
+  Level level_of(std::int64_t bytes) const;
 };
 
 /// Measures the FMA peaks (enough independent FMA chains to cover the latency on every FMA
@@ -46,7 +73,7 @@ struct Probe {
 /// DRAM (4x the last-level cache), on one core and on all cores; beyond L2 the better of
 /// plain reads and reads that prefetch ahead, as streaming kernels do. `dram` false skips the
 /// DRAM buffer (several GiB on machines with a large L3) when no benchmark needs it.
-Probe run_probe(bool dram);
+Probe run_probe(const Caches& caches, bool dram);
 
 /// The DRAM read bandwidth in GB/s on `threads` threads, measured now as run_probe
 /// measures it. On a shared VM memory bandwidth drifts by 10% over minutes, so a benchmark that

@@ -1,4 +1,4 @@
-// Probe loops with AVX2 + FMA (compiled with -mavx2 -mfma only).
+// Probe loops with AVX2 + FMA (compiled with the avx2 flags of cmake/isa.cmake only).
 #include <immintrin.h>
 
 #include "probe_kernels.h"

@@ -1,4 +1,5 @@
-// Probe loops with AVX-512F (compiled with -mavx512f -mfma only).
+// Probe loops with AVX-512F (compiled with the avx512 kernel's flags, cmake/isa.cmake, and
+// run only where cpu_supports(Isa::avx512) says so).
 #include <immintrin.h>
 
 #include "probe_kernels.h"

@@ -1,75 +1,85 @@
-// Runtime CPU feature detection and the MHA_MAX_ISA cap.
+// Runtime CPU feature detection and the MHA_MAX_ISA cap, generated from mha/isa.inc.
+#include <algorithm>
+#include <cstddef>
 #include <cstdlib>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
 #include "mha/registry.h"
 
+// An ISA's detection is compiled only on its own architecture; elsewhere it is false.
+#define MHA_DETECT_any(detect) (detect)
+#if defined(__x86_64__) || defined(_M_X64)
+#define MHA_DETECT_x86_64(detect) (detect)
+#else
+#define MHA_DETECT_x86_64(detect) false
+#endif
+#if defined(__aarch64__)
+#define MHA_DETECT_aarch64(detect) (detect)
+#else
+#define MHA_DETECT_aarch64(detect) false
+#endif
+
 namespace mha {
+namespace {
+
+struct IsaInfo {
+  const char* name;
+  int rank;
+};
+
+// Indexed by the enumerator: the enum is generated from the same list, in the same order.
+constexpr IsaInfo kIsas[] = {
+#define MHA_ISA(name, rank, arch, needs, detect) {#name, rank},
+#include "mha/isa.inc"
+#undef MHA_ISA
+};
+static_assert(std::size(kIsas) == std::size(all_isas));
+
+const IsaInfo* info(Isa isa) {
+  const auto i = static_cast<std::size_t>(isa);
+  return i < std::size(kIsas) ? &kIsas[i] : nullptr;
+}
+
+constexpr int highest_rank() {
+  int highest = 0;
+  for (const IsaInfo& isa : kIsas) highest = std::max(highest, isa.rank);
+  return highest;
+}
+
+}  // namespace
 
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::scalar:
-      return "scalar";
-    case Isa::avx2:
-      return "avx2";
-    case Isa::avx512:
-      return "avx512";
-    case Isa::neon:
-      return "neon";
-  }
-  return "unknown";
+  const IsaInfo* i = info(isa);
+  return i != nullptr ? i->name : "unknown";
 }
 
 int isa_rank(Isa isa) {
-  switch (isa) {
-    case Isa::scalar:
-      return 0;
-    case Isa::avx2:
-    case Isa::neon:
-      return 1;
-    case Isa::avx512:
-      return 2;
-  }
-  return 0;
+  const IsaInfo* i = info(isa);
+  return i != nullptr ? i->rank : 0;
 }
 
 bool cpu_supports(Isa isa) {
   switch (isa) {
-    case Isa::scalar:
-      return true;
-#if defined(__x86_64__) || defined(_M_X64)
-    // libgcc's __builtin_cpu_supports also checks XCR0, i.e. that the OS saves the
-    // registers, not only the CPUID bits.
-    case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case Isa::avx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("fma");
-#else
-    case Isa::avx2:
-    case Isa::avx512:
-      return false;
-#endif
-    case Isa::neon:
-#if defined(__aarch64__)
-      return true;  // Advanced SIMD is mandatory in AArch64
-#else
-      return false;
-#endif
+#define MHA_ISA(name, rank, arch, needs, detect) \
+  case Isa::name:                                \
+    return MHA_DETECT_##arch(detect);
+#include "mha/isa.inc"
+#undef MHA_ISA
   }
   return false;
 }
 
 int max_isa_rank() {
   const char* env = std::getenv("MHA_MAX_ISA");
-  if (env == nullptr || *env == '\0') return isa_rank(Isa::avx512);
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::neon}) {
-    if (std::string(env) == isa_name(isa)) return isa_rank(isa);
+  if (env == nullptr || *env == '\0') return highest_rank();
+  std::string accepted;
+  for (const IsaInfo& isa : kIsas) {
+    if (env == std::string(isa.name)) return isa.rank;
+    accepted += (accepted.empty() ? "" : ", ") + std::string(isa.name);
   }
-  throw std::invalid_argument("MHA_MAX_ISA=" + std::string(env) +
-                              " is not one of scalar, avx2, avx512, neon");
+  throw std::invalid_argument("MHA_MAX_ISA=" + std::string(env) + " is not one of " + accepted);
 }
 
 }  // namespace mha

@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#define MHA_KERNEL(name, isa, function, exp_ulp)                                                 \
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled)                                          \
   void function(const mha::Problem& p, const float* q, const float* k, const float* v, float* o, \
                 float* lse, mha::Workspace ws);                                                  \
   std::size_t function##_workspace(const mha::Problem& p);
@@ -21,8 +21,8 @@ namespace mha {
 const std::vector<KernelInfo>& all_kernels() {
   static const std::vector<KernelInfo> kernels = {
 // NOLINTNEXTLINE(bugprone-macro-parentheses): isa is a scoped enumerator name
-#define MHA_KERNEL(name, isa, function, exp_ulp) \
-  {#name, Isa::isa, &function, &function##_workspace, exp_ulp},
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled) \
+  {#name, Isa::isa, &function, &function##_workspace, exp_ulp, tiled},
 #include "registry.inc"
 #undef MHA_KERNEL
   };

@@ -23,7 +23,7 @@ namespace {
 using mha::test::bits_of;
 using mha::test::ulp_error;
 
-constexpr double kDeclaredUlp = 1.0;  // registry.inc: MHA_KERNEL(avx2, ..., 1.0)
+constexpr double kDeclaredUlp = 1.0;  // registry.inc: MHA_KERNEL(avx2, ..., 1.0, true)
 
 // The floats with bit patterns lo_bits, lo_bits + 1, ... <= hi_bits, eight at a time (lanes
 // past hi_bits repeat hi_bits); negative floats: ascending bits are descending values.

@@ -7,10 +7,13 @@
 #include <mha/registry.h>
 #include <rapidcheck.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <set>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "run.h"
@@ -298,13 +301,54 @@ TEST(Registry, MaxIsaCapsWhatIsOffered) {
   }
 }
 
+// mha/isa.inc generates the names, the ranks and the cap: every name is accepted by
+// MHA_MAX_ISA as its own rank, the default cap is the highest rank of the list, and the
+// error message names every ISA.
+TEST(Registry, IsaNamesRoundTrip) {
+  std::set<std::string> names;
+  std::string accepted;
+  int highest = 0;
+  for (Isa isa : all_isas) {
+    const std::string name = isa_name(isa);
+    EXPECT_NE(name, "unknown");
+    EXPECT_TRUE(names.insert(name).second) << "two ISAs called " << name;
+    ScopedEnv env("MHA_MAX_ISA", name.c_str());
+    EXPECT_EQ(max_isa_rank(), isa_rank(isa)) << name;
+    accepted += (accepted.empty() ? "" : ", ") + name;
+    highest = std::max(highest, isa_rank(isa));
+  }
+  {
+    ScopedEnv env("MHA_MAX_ISA", "");
+    EXPECT_EQ(max_isa_rank(), highest);
+  }
+  ScopedEnv env("MHA_MAX_ISA", "none");
+  try {
+    max_isa_rank();
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(e.what(), "MHA_MAX_ISA=none is not one of " + accepted);
+  }
+}
+
+// Detection: the scalar ISA everywhere, an ISA of another architecture nowhere.
+TEST(Registry, DetectsOnlyTheTargetsIsas) {
+  EXPECT_TRUE(cpu_supports(Isa::scalar));
+#if defined(__x86_64__)
+  EXPECT_FALSE(cpu_supports(Isa::neon));
+#elif defined(__aarch64__)
+  EXPECT_TRUE(cpu_supports(Isa::neon));
+  EXPECT_FALSE(cpu_supports(Isa::avx2));
+  EXPECT_FALSE(cpu_supports(Isa::avx512));
+#endif
+}
+
 // Under emulation the test command names the CPU model's best ISA; detection must agree,
 // or the emulated runs would not test the fallbacks they are meant to.
 TEST(Registry, DetectsTheEmulatedCpu) {
   const char* expected = std::getenv("MHA_EXPECT_CPU_ISA");
   if (expected == nullptr) GTEST_SKIP() << "MHA_EXPECT_CPU_ISA not set (native run)";
   Isa top = Isa::scalar;
-  for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {
+  for (Isa isa : all_isas) {
     if (cpu_supports(isa) && isa_rank(isa) > isa_rank(top)) top = isa;
   }
   EXPECT_STREQ(isa_name(top), expected);
@@ -317,7 +361,7 @@ TEST(Registry, BestKernelHasTheExpectedIsa) {
   const char* expected = std::getenv("MHA_EXPECT_BEST_ISA");
   if (expected == nullptr) GTEST_SKIP() << "MHA_EXPECT_BEST_ISA not set";
   bool known = false;
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::neon}) {
+  for (Isa isa : all_isas) {
     if (std::string(expected) != isa_name(isa)) continue;
     known = true;
     // A native capped run on a CPU without that ISA has nothing to check.

@@ -25,7 +25,7 @@ namespace {
 using mha::test::bits_of;
 using mha::test::ulp_error;
 
-constexpr double kDeclaredUlp = 1.0;  // registry.inc: MHA_KERNEL(neon, ..., 1.0)
+constexpr double kDeclaredUlp = 1.0;  // registry.inc: MHA_KERNEL(neon, ..., 1.0, true)
 constexpr std::uint32_t kStride = 7;
 
 // Max ulp error over the floats with bit patterns lo_bits, lo_bits + stride, ... <= hi_bits

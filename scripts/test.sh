@@ -186,14 +186,13 @@ run_python() {
 
 run_selftest() { step summary-test scripts/test-summary-test.sh; }
 
-# What each ISA needs, for the list of kernels this CPU could not run.
+# What each ISA needs, for the list of kernels this CPU could not run: the `needs` column of
+# its line in the ISA list, MHA_ISA(name, rank, arch, "needs", detect).
 isa_needs() {
-  case "$1" in
-    avx512) echo "needs AVX-512 F/VL/DQ/BW and FMA" ;;
-    avx2) echo "needs AVX2 and FMA" ;;
-    neon) echo "needs AArch64 Advanced SIMD" ;;
-    *) echo "needs $1" ;;
-  esac
+  local needs
+  needs=$(sed -nE "s/^MHA_ISA\($1, *[0-9]+, *[a-z0-9_]+, *\"([^\"]*)\".*/\1/p" \
+    kernels/include/mha/isa.inc)
+  echo "needs ${needs:-$1}"
 }
 
 # From ctest's "The following tests did not run:" lines of every part: the skipped tests by

@@ -9,24 +9,32 @@
 
 namespace mha {
 
-/// Instruction sets a kernel may need. Ranks order them for MHA_MAX_ISA: a kernel is
-/// offered when the CPU has its ISA and the ISA's rank is at most the cap's.
+/// Instruction sets a kernel may need, in the order of mha/isa.inc (the one list, with each
+/// ISA's rank and detection). Ranks order them for MHA_MAX_ISA: a kernel is offered when the
+/// CPU has its ISA and the ISA's rank is at most the cap's.
 enum class Isa {
-  scalar,  ///< rank 0: portable C++
-  avx2,    ///< rank 1: x86-64 AVX2 + FMA
-  avx512,  ///< rank 2: x86-64 AVX-512 F/VL/DQ/BW + FMA
-  neon,    ///< rank 1: AArch64 Advanced SIMD
+#define MHA_ISA(name, rank, arch, needs, detect) name,
+#include <mha/isa.inc>
+#undef MHA_ISA
+};
+
+/// Every Isa, in the order of mha/isa.inc.
+inline constexpr Isa all_isas[] = {
+#define MHA_ISA(name, rank, arch, needs, detect) Isa::name,
+#include <mha/isa.inc>
+#undef MHA_ISA
 };
 
 const char* isa_name(Isa isa);
 int isa_rank(Isa isa);
 
-/// Whether this CPU (and OS) supports `isa`, ignoring MHA_MAX_ISA.
+/// Whether this CPU (and OS) supports `isa`, ignoring MHA_MAX_ISA. False for an ISA of
+/// another architecture.
 bool cpu_supports(Isa isa);
 
-/// The cap from the environment variable MHA_MAX_ISA (scalar, avx2, avx512, neon), or
-/// the highest rank when it is unset or empty. Throws std::invalid_argument naming the
-/// accepted values when it holds anything else.
+/// The cap from the environment variable MHA_MAX_ISA (an isa_name: scalar, avx2, avx512,
+/// neon), or the highest rank of all ISAs when it is unset or empty. Throws
+/// std::invalid_argument naming the accepted values when it holds anything else.
 int max_isa_rank();
 
 /// One registry entry: see kernels/registry.inc.
@@ -36,6 +44,7 @@ struct KernelInfo {
   Kernel fn;
   WorkspaceSize workspace;  ///< the bytes of workspace fn needs
   double exp_ulp;
+  bool tiled;
 };
 
 /// Every kernel compiled into this build, in registry order (slowest first).

@@ -1,0 +1,25 @@
+# The compile flags of each ISA of kernels/include/mha/isa.inc, in one place: the kernels, the
+# kernels' exp tests and the benchmark's probe loops take them from here. Each set enables
+# exactly the features that the ISA's line of isa.inc detects at run time, so a file built
+# with it runs only where cpu_supports says so. README.md's copy table shows the same flags
+# to users; the ctest copy/readme-flags checks that it agrees with this file
+# (cmake/check_readme_flags.cmake).
+#
+# GCC and Clang spelling. An ISA that the target has as its baseline needs no flags.
+set(MHA_ISA_FLAGS_scalar "")
+set(MHA_ISA_FLAGS_avx2 -mavx2 -mfma)
+set(MHA_ISA_FLAGS_avx512 -mavx512f -mavx512vl -mavx512dq -mavx512bw -mfma)
+set(MHA_ISA_FLAGS_neon "")  # Advanced SIMD is mandatory in AArch64
+
+# mha_isa_sources(<isa> <file>...): builds the files (of targets in the calling directory)
+# with the flags of <isa>, and nothing else with them: code compiled with an ISA's flags may
+# use its instructions anywhere, so only files whose code runs after a cpu_supports check
+# may have them.
+function(mha_isa_sources isa)
+  if(NOT DEFINED MHA_ISA_FLAGS_${isa})
+    message(FATAL_ERROR "mha_isa_sources: unknown ISA '${isa}' (cmake/isa.cmake)")
+  endif()
+  if(MHA_ISA_FLAGS_${isa})
+    set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS "${MHA_ISA_FLAGS_${isa}}")
+  endif()
+endfunction()
