@@ -20,9 +20,8 @@ namespace mha {
 
 const std::vector<KernelInfo>& all_kernels() {
   static const std::vector<KernelInfo> kernels = {
-// NOLINTNEXTLINE(bugprone-macro-parentheses): isa is a scoped enumerator name
 #define MHA_KERNEL(name, isa, function, exp_ulp, tiled) \
-  {#name, Isa::isa, &function, &function##_workspace, exp_ulp, tiled},
+  {#name, Isa::isa, function, function##_workspace, exp_ulp, tiled},
 #include "registry.inc"
 #undef MHA_KERNEL
   };

@@ -53,10 +53,19 @@ void* operator new(std::size_t size, std::align_val_t align) {
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }
+// GCC sees free() of what a new-expression returned once these are inlined into a caller,
+// and warns; here that pairing is the point (operator new above is malloc).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace {
 
