@@ -74,7 +74,7 @@
 // Workspace (the caller's; mha_f32_attention_avx512_workspace gives its size), in floats
 // (R' = R rounded up to 32; ldkv = D rounded up to 16, plus 16): D x R' (Q^T) + 32 Bc (S^T)
 // + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K and V copies), and R' int32 counts: about
-// 670 KiB at D = 128, g = 4. Decode needs g x q_len x D16 floats and 64 more.
+// 670 KiB at D = 128, g = 4. Decode needs g x q_len x D16 floats and 32 more.
 //
 // Depends on mha/attention.h, mha/support.h and avx512_exp.h (this folder) only.
 // avx512_exp.h first: it includes immintrin.h (see there why).
@@ -498,10 +498,22 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
 // transposed microkernels (one decode row would use 1 lane in 16). Here the lanes run along
 // head_dim instead and K and V are read in whole vectors (from memory for the first row of
 // a tile, from L1 for the others): per row, 16 keys' dot products accumulate in 16 zmm and
-// are finished together by
-// sum_lanes16, and P V adds weight x V row into the row's accumulator, 8 zmm at a time.
-// Keys come in tiles of kDecodeKeys (32 KiB of K and V at D = 128) while the next tile is
-// prefetched; a row reads only the keys it sees, so masked V rows are never touched.
+// are finished together by sum_lanes16, and P V adds weight x V row into the row's
+// accumulator, 8 zmm at a time. Keys come in tiles of kDecodeKeys (32 KiB of K and V at
+// D = 128) while the next tile is prefetched; a row reads only the keys it sees, so masked
+// V rows are never touched.
+//
+//   for each (batch, KV head): its g x q_len rows, O = 0
+//     for each tile of kDecodeKeys keys, the next one prefetched:
+//       for each row that sees a key of the tile:
+//         S: 16 keys' dot products at once                  dot_16_keys, sum_lanes16
+//         online softmax, base 2: m, alpha, P = 2^(S - m), l
+//         O = alpha O + P V, 8 zmm of head_dim at a time    add_weighted_rows
+//     o = O / l, lse = (m + log2 l) ln 2                    finish_row
+//
+// One function on purpose: with the three per-row steps as functions of their own, a
+// decode of one KV chunk (4 rows x 256 keys, D = 128) ran 8% slower (GCC 12, register
+// allocation across the calls).
 constexpr std::int64_t kDecodeKeys = 32;
 
 // Decode's arrays in the caller's workspace.
@@ -509,8 +521,6 @@ struct DecodeScratch {
   std::int64_t d16;  // head_dim rounded up to 16: an accumulator's length
   float* acc;        // [rows][d16]: O
   float* weights;    // [kDecodeKeys]: one row's logits, then its weights
-  float* m;          // [16]: running maxima (base 2)
-  float* l;          // [16]: running sums
 };
 
 DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
@@ -519,125 +529,115 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
   s.d16 = round_up(p.head_dim, 16);
   s.acc = carve.take<float>(rows * s.d16);
   s.weights = carve.take<float>(kDecodeKeys);
-  s.m = carve.take<float>(16);
-  s.l = carve.take<float>(16);
   return s;
 }
 
-// f(vectors, d0, last) for each slice [d0, d0 + 128) of head_dim: `vectors` (1 .. 8) zmm as
-// a compile-time constant, the last one's lanes limited to `last`.
-template <typename F>
-void for_each_slice(std::int64_t dim, F&& f) {
-  for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
-    with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-      constexpr int kVectors = decltype(vectors)::value;
-      f(vectors, d0, first_lanes(dim - d0 - 16 * (kVectors - 1)));
-    });
-  }
-}
-
-// Base-2 logits of one row's `cols` keys, 16 at a time, into s.weights: key i's dot product
-// in a[i], over slices of 128 columns of head_dim whose q part stays in registers. Returns
-// the lane maxima (NaN logits left out).   k_tile: [cols][head_dim], row stride k_seq
-__m512 decode_logits(const float* q_row, const float* k_tile, std::int64_t k_seq, std::int64_t cols,
-                     std::int64_t dim, __m512 logit_scale, const DecodeScratch& s, Prefetch& next) {
-  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-    const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-    const float* keys = k_tile + j0 * k_seq;
-    __m512 a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-    for_each_slice(dim, [&](auto vectors, std::int64_t d0, __mmask16 last) {
-      dot_16_keys<decltype(vectors)::value>(q_row + d0, keys + d0, k_seq, nk, last, a);
-      next.step();
-    });
-    const __m512 x = _mm512_mul_ps(sum_lanes16(a), logit_scale);
-    _mm512_storeu_ps(s.weights + j0, x);
-    // VMAXPS returns its second source when either is NaN: NaN logits stay out.
-    mv = _mm512_mask_max_ps(mv, first_lanes(nk), x, mv);
-  }
-  return mv;
-}
-
-// One row's online-softmax step: its logits in s.weights become weights, m and l move on;
-// returns alpha, the factor O is rescaled by (by the vector 2^x: its error cancels, O and
-// l get the same factor).
-float decode_softmax(std::int64_t cols, __m512 lane_max, float* m, float* l,
-                     const DecodeScratch& s) {
-  const float tile_max = lanes_max(lane_max);  // no lane is NaN
-  float alpha = 1.0f;
-  if (tile_max > *m) {
-    alpha = _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(*m - tile_max)));
-    *m = tile_max;  // alpha is 0 when the old max is -inf
-  }
-  const __m512 base = _mm512_set1_ps(mha::support::logit_shift(*m));
-  __m512 sum = _mm512_setzero_ps();
-  for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-    const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-    const __m512 w = _mm512_maskz_mov_ps(
-        first_lanes(nk),
-        mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s.weights + j0), base)));
-    _mm512_storeu_ps(s.weights + j0, w);
-    sum = _mm512_add_ps(sum, w);
-  }
-  *l = *l * alpha + lanes_sum(sum);
-  return alpha;
-}
-
-// Decode: fewer than 16 query rows (g x q_len) per KV head, one block per KV head:
-//
-//   for each (batch, KV head): its g x q_len rows                       for_each_block
-//     for each tile of kDecodeKeys keys, the next one prefetched:
-//       for each row that sees a key of the tile:
-//         S: 16 keys' dot products at once                              decode_logits
-//         online softmax, base 2                                        decode_softmax
-//         O = alpha O + P V, 8 zmm of head_dim at a time                add_weighted_rows
-//     o = O / l, lse = (m + log2 l) ln 2                                finish_row
 void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
                  float* lse, mha::Workspace ws) {
+  const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim = p.head_dim;
+  const std::int64_t rows = group * p.q_len;  // < 16
+  const std::int64_t d16 = round_up(dim, 16);
   Carve workspace(ws.data);
-  const DecodeScratch s = carve_decode(p, workspace);
+  const DecodeScratch scratch = carve_decode(p, workspace);
+  float* const acc_rows = scratch.acc;
+  float* const weights = scratch.weights;
   const __m512 logit_scale = logit_scale_of(p);
-  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;
   const std::int64_t steps = rows * (kDecodeKeys / 16 * ((dim + 127) / 128) + kDecodeKeys);
+  const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
-  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
-    std::fill(s.m, s.m + block.rows, -std::numeric_limits<float>::infinity());
-    std::fill(s.l, s.l + block.rows, 0.0f);
-    std::fill(s.acc, s.acc + block.rows * s.d16, 0.0f);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
-    const std::int64_t block_keys = block.keys(p);
-    Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(kDecodeKeys, block_keys), dim, 1).all();
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
+      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
+      // Row t: query head kv_head g + t / q_len, query row t % q_len.
+      const auto q_row = [&](std::int64_t t) {
+        return q + b * p.q.batch + (t % p.q_len) * p.q.seq +
+               (kv_head * group + t / p.q_len) * p.q.head;
+      };
+      float ms[16], ls[16];
+      std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
+      const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
+      Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(kDecodeKeys, block_keys), dim, 1).all();
 
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += kDecodeKeys) {
-      const std::int64_t tile_keys = std::min(kDecodeKeys, block_keys - c0);
-      Prefetch next(k_head + (c0 + kDecodeKeys) * p.k.seq, p.k.seq,
-                    v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
-                    std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
-                    steps);
-      const float* k_tile = k_head + c0 * p.k.seq;
-      const float* v_tile = v_head + c0 * p.v.seq;
-      for (std::int64_t t = 0; t < block.rows; ++t) {
-        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
-        if (cols == 0) continue;
-        const __m512 lane_max =
-            decode_logits(block.q_row(p, q, t), k_tile, p.k.seq, cols, dim, logit_scale, s, next);
-        const __m512 alpha = _mm512_set1_ps(decode_softmax(cols, lane_max, s.m + t, s.l + t, s));
-        float* acc = s.acc + t * s.d16;
-        for_each_slice(dim, [&](auto vectors, std::int64_t d0, __mmask16 last) {
-          add_weighted_rows<decltype(vectors)::value>(s.weights, cols, v_tile + d0, p.v.seq, last,
-                                                      acc + d0, alpha, next);
-        });
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kDecodeKeys) {
+        const std::int64_t tile_keys = std::min(kDecodeKeys, block_keys - c0);
+        Prefetch next(k_head + (c0 + kDecodeKeys) * p.k.seq, p.k.seq,
+                      v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
+                      std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
+                      steps);
+        const float* k_tile = k_head + c0 * k_seq;
+        const float* v_tile = v_head + c0 * v_seq;
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols =
+              std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, tile_keys);
+          if (cols == 0) continue;
+          const float* qr = q_row(t);
+          // Base-2 logits of the row's `cols` keys, 16 at a time: key i's dot product in
+          // a[i], over slices of 128 columns of head_dim whose q part stays in registers.
+          __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+            const float* keys = k_tile + j0 * k_seq;
+            __m512 a[16];
+            for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+            for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
+              with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
+                dot_16_keys<decltype(vectors)::value>(
+                    qr + d0, keys + d0, k_seq, nk,
+                    first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
+              });
+              next.step();
+            }
+            const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
+            _mm512_storeu_ps(weights + j0, s);
+            // VMAXPS returns its second source when either is NaN: NaN logits stay out.
+            mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
+          }
+          // alpha by the vector 2^x (its error cancels: O and l get the same factor).
+          const float tile_max = lanes_max(mv);  // no lane of mv is NaN
+          float alpha = 1.0f;
+          if (tile_max > ms[t]) {
+            // 0 when the old max is -inf.
+            alpha =
+                _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
+            ms[t] = tile_max;
+          }
+          const __m512 base = _mm512_set1_ps(mha::support::logit_shift(ms[t]));
+          __m512 sum = _mm512_setzero_ps();
+          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+            const __m512 w = _mm512_maskz_mov_ps(
+                first_lanes(nk),
+                mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights + j0), base)));
+            _mm512_storeu_ps(weights + j0, w);
+            sum = _mm512_add_ps(sum, w);
+          }
+          ls[t] = ls[t] * alpha + lanes_sum(sum);
+          // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
+          float* acc = acc_rows + t * d16;
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
+            with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
+              add_weighted_rows<decltype(vectors)::value>(
+                  weights, cols, v_tile + d0, v_seq,
+                  first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
+            });
+          }
+        }
+      }
+
+      for (std::int64_t t = 0; t < rows; ++t) {
+        const std::int64_t row = t % p.q_len, head = kv_head * group + t / p.q_len;
+        float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
+        float* lse_row = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
+        finish_row(acc_rows + t * d16, 1, ms[t], ls[t], mha::visible_keys(p, row), dim, o_row,
+                   lse_row);
       }
     }
-
-    for (std::int64_t t = 0; t < block.rows; ++t) {
-      finish_row(s.acc + t * s.d16, 1, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), dim,
-                 block.o_row(p, o, t), block.lse_at(p, lse, t));
-    }
-  });
+  }
 }
 
 // Prefill's arrays in the caller's workspace, for blocks of up to R rows (R' = R rounded up
@@ -818,9 +818,8 @@ std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
   largest_decode.q_heads = p.kv_heads;
   largest_decode.q_len = 15;
   const Tiling tiling = choose_tiling(p);
-  return std::max(
-      mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
-      mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
+  return std::max(mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+                  mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
 void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,

@@ -202,8 +202,10 @@ void for_each_block(const Problem& p, std::int64_t rows_per_head, F&& f) {
 namespace detail {
 template <int... I, typename F>
 void with_count(std::int64_t n, F& f, std::integer_sequence<int, I...>) {
-  // Exactly one comparison holds: n is clamped to 1 .. sizeof...(I) by the caller.
-  (void)((n == I + 1 && (f(std::integral_constant<int, I + 1>{}), true)) || ...);
+  // Exactly one comparison holds: n is clamped to 1 .. kMax by the caller. Largest first:
+  // whole row groups and whole key or column steps are the common case.
+  constexpr int kMax = sizeof...(I);
+  (void)((n == kMax - I && (f(std::integral_constant<int, kMax - I>{}), true)) || ...);
 }
 }  // namespace detail
 
