@@ -23,9 +23,9 @@ namespace mha {
 ///   key is written as zeros and lse = -inf by the driver itself.
 /// * Split-KV: when there are fewer units than kMinUnits and the KV length is long
 ///   (decoding), each unit's KV range is cut into chunks; each chunk runs with lse into
-///   workspace and the chunks are merged exactly (mha::merge's arithmetic). Chunks of a causal unit end
-///   at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole,
-///   except the last, which stays causal.
+///   workspace and the chunks are merged exactly (mha::merge's arithmetic). Chunks of a causal unit
+///   end at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole, except
+///   the last, which stays causal.
 struct Plan {
   static constexpr std::int64_t kUnitRows = 512;    ///< rows of all g heads per unit, about
   static constexpr std::int64_t kRowBlock = 128;    ///< query rows per unit at most
