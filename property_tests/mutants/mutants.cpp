@@ -65,13 +65,16 @@ std::size_t no_workspace(const Problem&) { return 0; }
 
 const std::vector<KernelInfo>& mutants() {
   static const std::vector<KernelInfo> list = {
-      {"causal_off_by_one", Isa::scalar, &mutant<Mutation::causal_off_by_one>, &no_workspace, 1.0, false},
-      {"no_max_subtraction", Isa::scalar, &mutant<Mutation::no_max_subtraction>, &no_workspace,
-       1.0, false},
-      {"wrong_gqa_mapping", Isa::scalar, &mutant<Mutation::wrong_gqa_mapping>, &no_workspace, 1.0, false},
+      {"causal_off_by_one", Isa::scalar, &mutant<Mutation::causal_off_by_one>, &no_workspace, 1.0,
+       false},
+      {"no_max_subtraction", Isa::scalar, &mutant<Mutation::no_max_subtraction>, &no_workspace, 1.0,
+       false},
+      {"wrong_gqa_mapping", Isa::scalar, &mutant<Mutation::wrong_gqa_mapping>, &no_workspace, 1.0,
+       false},
       {"scale_doubled", Isa::scalar, &mutant<Mutation::scale_doubled>, &no_workspace, 1.0, false},
       {"key_skipped", Isa::scalar, &mutant<Mutation::key_skipped>, &no_workspace, 1.0, false},
-      {"dim_tail_dropped", Isa::scalar, &mutant<Mutation::dim_tail_dropped>, &no_workspace, 1.0, false},
+      {"dim_tail_dropped", Isa::scalar, &mutant<Mutation::dim_tail_dropped>, &no_workspace, 1.0,
+       false},
       {"lse_base2", Isa::scalar, &mutant<Mutation::lse_base2>, &no_workspace, 1.0, false},
   };
   return list;
