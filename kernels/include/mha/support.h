@@ -11,6 +11,8 @@
 //   visits them, and Block maps a block row t to its head, query row and tensor rows.
 // * with_count: a run-time count 1..N as a compile-time constant, for microkernels
 //   instantiated per row or column count.
+// * Caches: the L1d and L2 sizes the kernels derive their tile sizes from, read once from
+//   the system (or from MHA_CACHES), with fallbacks.
 #pragma once
 
 #include <mha/attention.h>
@@ -19,7 +21,12 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -97,6 +104,109 @@ std::size_t workspace_bytes(Layout&& layout) {
   return carve.bytes();
 }
 
+/// The data caches one core works in, in bytes: what the kernels size their tiles for.
+struct Caches {
+  std::int64_t l1d;  ///< level 1 data cache of one core
+  std::int64_t l2;   ///< level 2, the share of one core where cores share it
+};
+
+/// Used for a size the system does not give: the smallest of the cores the kernels are
+/// meant for (AMD Zen 2-4: 32 KiB L1d, 512 KiB-1 MiB L2; Intel Xeon since Skylake-SP: 32-48
+/// KiB, 1-2 MiB; Arm Neoverse N1/V1/V2: 64 KiB, 1-2 MiB), so a tile sized from it fits
+/// everywhere.
+constexpr Caches kFallbackCaches{32 << 10, 512 << 10};
+
+namespace detail {
+
+/// "48K", "2048K", "1M", "32768": bytes; -1 if s is not such a size (or above 1 GiB).
+inline std::int64_t parse_cache_size(const char* s) {
+  if (s == nullptr || *s < '0' || *s > '9') return -1;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(s, &end, 10);
+  std::int64_t unit = 1;
+  if (*end == 'K' || *end == 'k') unit = std::int64_t{1} << 10;
+  if (*end == 'M' || *end == 'm') unit = std::int64_t{1} << 20;
+  if (unit != 1) ++end;
+  while (*end == '\n' || *end == ' ') ++end;
+  if (*end != '\0' || n == 0 || n > (1ull << 30) / static_cast<unsigned long long>(unit)) return -1;
+  return static_cast<std::int64_t>(n) * unit;
+}
+
+/// The first line of a small text file, or "" if it cannot be read.
+inline std::string read_line(const std::string& path) {
+  std::string line;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[256];
+    if (std::fgets(buf, sizeof buf, f) != nullptr) line = buf;
+    std::fclose(f);
+  }
+  while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+  return line;
+}
+
+/// How many CPUs a sysfs shared_cpu_list ("0", "0-1", "0,64", "0-3,8-11") names; 1 if unreadable.
+inline std::int64_t count_cpus(const std::string& list) {
+  std::int64_t count = 0;
+  const char* s = list.c_str();
+  while (*s != '\0') {
+    char* end = nullptr;
+    const long first = std::strtol(s, &end, 10);
+    if (end == s) return 1;
+    long last = first;
+    if (*end == '-') {
+      s = end + 1;
+      last = std::strtol(s, &end, 10);
+      if (end == s || last < first) return 1;
+    }
+    count += last - first + 1;
+    s = *end == ',' ? end + 1 : end;
+    if (*end != ',' && *end != '\0') return 1;
+  }
+  return count > 0 ? count : 1;
+}
+
+/// MHA_CACHES="L1D,L2" (e.g. "32K,512K") if set; else Linux's sysfs for CPU 0 (each
+/// cache's size over the CPUs sharing it); else kFallbackCaches, per size.
+inline Caches read_caches() {
+  if (const char* env = std::getenv("MHA_CACHES"); env != nullptr && *env != '\0') {
+    const char* comma = std::strchr(env, ',');
+    const std::int64_t l1d = comma != nullptr ? parse_cache_size(std::string(env, comma).c_str()) : -1;
+    const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
+    if (l1d < (4 << 10) || l2 < l1d) {
+      throw std::invalid_argument(std::string("MHA_CACHES=") + env +
+                                  " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, "
+                                  "L2 at least L1D, each at most 1024M)");
+    }
+    return {l1d, l2};
+  }
+  Caches c{0, 0};
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+    const std::string level = read_line(dir + "/level"), type = read_line(dir + "/type");
+    const std::int64_t bytes = parse_cache_size(read_line(dir + "/size").c_str());
+    if (bytes <= 0 || type == "Instruction") continue;
+    const std::int64_t share = bytes / count_cpus(read_line(dir + "/shared_cpu_list"));
+    if (level == "1") c.l1d = share;
+    if (level == "2") c.l2 = share;
+  }
+  if (c.l1d < (4 << 10)) c.l1d = kFallbackCaches.l1d;
+  if (c.l2 < c.l1d) c.l2 = std::max(kFallbackCaches.l2, c.l1d);
+  return c;
+}
+
+}  // namespace detail
+
+/// The caches of the CPU the process runs on, read once. Tile sizes, and so workspace sizes
+/// and the order of floating-point sums, follow from them: results are the same for every
+/// thread count and every run on one machine, and may differ in the last bits between
+/// machines with different caches. MHA_CACHES="L1D,L2" sets them (to reproduce another
+/// machine's tiling; the tests run the kernels under several); a malformed value throws
+/// std::invalid_argument.
+inline const Caches& caches() {
+  static const Caches c = detail::read_caches();
+  return c;
+}
+
 /// Tile sizes: Bc keys per KV tile and Br query rows of each of the g heads per block.
 struct Tiling {
   std::int64_t keys;
@@ -104,36 +214,46 @@ struct Tiling {
 };
 
 /// The tiling of kernels that compute S and P V a few rows at a time over a packed K^T tile
-/// and V read in place (blocked, neon), from caches assumed per core: L1d 32-48 KiB, L2 >=
-/// 1 MiB. Constants (the kernels do not query the OS), so results never depend on the
-/// machine.
+/// and V read in place (blocked, neon), from the caches of one core.
 ///
-/// KV tile, Bc keys: the K^T tile and the V tile hold Bc x head_dim floats each, 32 KiB.
-/// The S phase streams K^T once per block row and the PV phase streams V once per block
-/// row, so each phase reuses one L1-sized operand across all R rows, and both stay in L2
-/// between the phases. D = 128: Bc = 8192 / 128 = 64 keys, K and V 2 x 64 x 128 x 4 B =
-/// 64 KiB. At least 16 keys keep the vectorized loop over keys long (above D = 512 the
-/// tiles outgrow L1 and live in L2: D = 4096 gives 2 x 256 KiB); at most 256 bound the
-/// score tile.
+/// KV tile, Bc keys: the K^T tile and the V tile hold Bc x head_dim floats each, half of
+/// L1d each. The S phase streams K^T once per block row and the PV phase streams V once per
+/// block row, so each phase reuses one operand from L1 across all R rows, with room for the
+/// row's Q, scores and accumulator beside it, and both stay in L2 between the phases. D =
+/// 128: Bc = 32 keys with a 32 KiB L1d, 48 with 48 KiB, 64 with 64 KiB (Neoverse). At least
+/// 16 keys keep the vectorized loop over keys long (above D = 256 at 32 KiB the tiles
+/// outgrow half of L1 and live in L1 and L2); at most 256 bound the score tile.
 ///
-/// Query block, R = g x Br rows: R x head_dim accumulators in 32 KiB. D = 128, g = 4:
-/// Br = 8192 / (4 x 128) = 16 query rows, R = 64; accumulators 64 x 128 x 4 B = 32 KiB,
-/// scores 64 x 64 x 4 B = 16 KiB, the block's Q rows (read in place) 32 KiB: with the KV
-/// tiles 144 KiB, well inside L2. Each KV tile then comes from memory once per 16 query
-/// rows and feeds 2 x R x Bc x D = 1 M multiply-adds (16 per byte of K and V). Br is at
-/// most 64, so causal block skipping keeps a fine grain, and at least 1: when g x D > 8192
-/// a block is one row of each head.
-inline Tiling flash_tiling(const Problem& p) {
-  constexpr std::int64_t kKvTileFloats = 8192;  // 32 KiB
+/// Query block, R = g x Br rows: the block's Q rows, accumulators (R x head_dim each) and
+/// scores (R x Bc) in a quarter of L2, the rest of which holds the KV tiles and what streams
+/// in. 512 KiB L2, D = 128, g = 4, Bc = 32: R x (2 x 128 + 32) floats <= 128 KiB: R = 112,
+/// Br = 28. 2 MiB: Br = 64, the cap. Each KV tile then comes from memory once per Br query
+/// rows of its g heads (2 R D multiply-adds per key). Br is at most 64, so causal block
+/// skipping keeps a fine grain, and at least 1: a block is at least one row of each head.
+inline Tiling flash_tiling(const Problem& p, const Caches& c = caches()) {
   constexpr std::int64_t kMinKeys = 16, kMaxKeys = 256;
-  constexpr std::int64_t kAccFloats = 8192;  // 32 KiB
   constexpr std::int64_t kMaxRowsPerHead = 64;
   const std::int64_t group = p.q_heads / p.kv_heads;
+  const std::int64_t kv_tile_floats = c.l1d / 2 / std::int64_t{sizeof(float)};
   Tiling t;
-  t.keys = std::min(std::clamp(kKvTileFloats / p.head_dim, kMinKeys, kMaxKeys), p.kv_len);
-  t.rows_per_head = std::clamp(kAccFloats / (group * p.head_dim), std::int64_t{1}, kMaxRowsPerHead);
+  t.keys = std::min(std::clamp(kv_tile_floats / p.head_dim, kMinKeys, kMaxKeys), p.kv_len);
+  const std::int64_t block_floats = c.l2 / 4 / std::int64_t{sizeof(float)};
+  const std::int64_t row_floats = 2 * p.head_dim + t.keys;
+  t.rows_per_head =
+      std::clamp(block_floats / (group * row_floats), std::int64_t{1}, kMaxRowsPerHead);
   t.rows_per_head = std::min(t.rows_per_head, p.q_len);
   return t;
+}
+
+/// Keys per KV tile of a decode path (few query rows per KV head, lanes along head_dim):
+/// the tile's K and V rows, 2 x keys x head_dim floats, in two thirds of L1d, so that the
+/// group's other rows read them from L1 after the first, while the next tile is prefetched
+/// into L2. A multiple of `step` (the keys a microkernel finishes at once), at least `step`
+/// and at most 256. D = 128: 32 keys with a 48 KiB L1d, 16 with 32 KiB.
+inline std::int64_t decode_tile_keys(const Problem& p, std::int64_t step,
+                                     const Caches& c = caches()) {
+  const std::int64_t fit = c.l1d * 2 / 3 / (2 * p.head_dim * std::int64_t{sizeof(float)});
+  return std::clamp(fit / step * step, step, std::max<std::int64_t>(step, 256 / step * step));
 }
 
 /// One block of a problem: the g = q_heads / kv_heads query heads reading KV head kv_head,
