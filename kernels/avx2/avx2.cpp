@@ -41,17 +41,18 @@
 // padding (keys past the tile's end in Kp, columns past D in Vp) keeps the microkernels on
 // whole vectors.
 //
-// Tile sizes. Bc = 128 keys: per tile each row pays one softmax max/rescale step, and each
-// microkernel call amortizes its accumulator loads, stores and epilogue over 128 key or D
-// steps; Kp and Vp hold Bc x D floats each (64 KiB at D = 128). R: every block reads all
-// the K and V it sees from memory (or L3) once, so R divides that traffic; the block's O
-// buffer (R x D16 floats, D16 = D rounded up to 16) is at most 128 KiB, so R = 256 at
-// D = 128, g = 4 (Br = 64: two blocks per 128-row unit of the parallel driver). Going from
-// R = 128 to 256 made the D = 128 prefill about 4% faster. Qp and the S buffer (R x Bc) are
-// as large as O: each phase works in about 320 KiB (S: Qp, S buffer, Kp; P V: S buffer, O,
-// Vp), in L2 on current cores (1-2 MiB); with a 256 KiB L2 the streamed Qp and S rows come
-// from L3 at about 4 bytes per cycle. Packing a tile (transposes, about 10^4 instructions)
-// is spread over R rows.
+// Tile sizes, from the caches of the core (mha::support::caches()). Bc = 128 keys: per
+// tile each row pays one softmax max/rescale step, and each microkernel call amortizes its
+// accumulator loads, stores and epilogue over 128 key or D steps; the panel a microkernel
+// reuses from L1 (16 keys x D of Kp or Bc keys x 16 columns of Vp, 8 KiB each at D = 128)
+// fits any L1d. R: every block reads all the K and V it sees from memory (or L3) once, so
+// R divides that traffic, and the block's working set, Qp, S and O (R x (D + Bc + D16)
+// floats, D16 = D rounded up to 16) with Kp and Vp (2 Bc D16), is kept within half of L2,
+// which the panels and the streamed rows share: R = 85 at D = 128 with a 512 KiB L2 (Zen
+// 2-4, 256 KiB), and at most the R x D16 = 128 KiB measured best with 2 MiB (R = 256 at
+// D = 128, g = 4: Br = 64; going from R = 128 to 256 made the D = 128 prefill about 4%
+// faster there; larger R was not measured). Packing a tile (transposes, about 10^4
+// instructions) is spread over R rows.
 //
 // Prefetch: packing reads K and V rows one page apart, which the hardware prefetchers do
 // not follow, so every row would start with a cache miss. While S runs, the tile's V rows
@@ -102,7 +103,7 @@ using mha::support::round_up;
 constexpr int kRows = 6;                      // MR: query rows per microkernel group
 constexpr int kPanel = 16;                    // keys per K panel = columns per V panel (2 ymm)
 constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, the S buffer's row stride
-constexpr std::int64_t kBlockFloats = 32768;  // R x D16 <= this (128 KiB), at least g rows
+constexpr std::int64_t kBlockFloats = 32768;  // R x D16 at most this (128 KiB): see the header
 
 // Lanes [0, n) of a ymm (none for n <= 0, all for n >= 8), as a maskload/maskstore mask.
 __m256i first_lanes(std::int64_t n) {
@@ -363,11 +364,16 @@ struct Scratch {
   std::int64_t* cols;  // [R]: keys of this tile each row sees
 };
 
-// Br: as many rows of each head as keep R x D16 (O, and so Qp and S) within kBlockFloats.
+// Br: as many rows of each head as keep the block's working set, R (Qp, S, O rows:
+// D + Bc + D16 floats each) + 2 Bc D16 (Kp, Vp), within half of L2, and R x D16 within
+// kBlockFloats; at least 1.
 std::int64_t rows_per_head(const mha::Problem& p) {
   const std::int64_t group = p.q_heads / p.kv_heads;
-  return std::clamp(kBlockFloats / (group * round_up(p.head_dim, kPanel)), std::int64_t{1},
-                    p.q_len);
+  const std::int64_t dim16 = round_up(p.head_dim, kPanel);
+  const std::int64_t budget = mha::support::caches().l2 / 2 / std::int64_t{sizeof(float)};
+  const std::int64_t rows =
+      std::min((budget - 2 * kKeys * dim16) / (p.head_dim + kKeys + dim16), kBlockFloats / dim16);
+  return std::clamp(rows / group, std::int64_t{1}, p.q_len);
 }
 
 Scratch carve(const mha::Problem& p, Carve& carve) {
@@ -490,14 +496,238 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
   }
 }
 
+// Decode: fewer than kDecodeRows query rows (g x q_len) per KV head, too few to amortize
+// packing K and V for the 6-row microkernels (a packed K^T tile costs about as much as its
+// S products for 4 rows). Here the lanes run along head_dim and K and V are read in place,
+// in whole vectors (from memory for the group's first row of a tile, from L1 for the
+// others): per row, 8 keys' dot products accumulate in 8 ymm and are finished together by
+// sum_lanes8, and P V adds weight x V row into the row's accumulator, 8 ymm (64 columns) at
+// a time. Keys come in tiles of support::decode_tile_keys (K and V of a tile in two thirds
+// of L1d: 16 keys at D = 128 with a 32 KiB L1d, 32 with 48 KiB) while the next tile is
+// prefetched into L2; a row reads only the keys it sees, so masked V rows are never touched.
+//
+//   for each (batch, KV head): its g x q_len rows, O = 0                    decode_rows
+//     for each tile of keys, the next one prefetched:
+//       for each row that sees a key of the tile:
+//         S: 8 keys' dot products at once, 32 columns of q in registers      dot_8_keys,
+//                                                                            sum_lanes8
+//         online softmax, base 2: m, alpha, P = 2^(S - m), l
+//         O = alpha O + P V, 8 ymm of head_dim at a time                     add_weighted_rows
+//     o = O / l, lse = (m + log2 l) ln 2                                     finish_row
+//
+// Registers: dot_8_keys holds 8 accumulators and 4 q vectors (13 of 16 ymm with the key
+// vector): per key and 32 columns 4 FMAs and 4 loads, the q loads amortized over 8 keys, so
+// the 2 load ports keep the 2 FMA ports busy. add_weighted_rows holds 8 accumulators, the
+// broadcast weight and the V vector: 8 independent FMA chains, one V load each.
+constexpr std::int64_t kDecodeRows = 8;   // rows per KV head below which a problem decodes
+constexpr std::int64_t kDotKeys = 8;      // keys per dot_8_keys call
+constexpr std::int64_t kDotColumns = 32;  // head_dim columns of q in registers per call
+constexpr std::int64_t kPvColumns = 64;   // head_dim columns per add_weighted_rows call
+
+bool decodes(const mha::Problem& p) { return p.q_heads / p.kv_heads * p.q_len < kDecodeRows; }
+
+// Lane i of the result: the sum of a[i]'s 8 lanes.
+__m256 sum_lanes8(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  // u0 lane i (i < 4): half of a[i]'s sum in each 128-bit half; u1 the same for a[4 + i].
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// a[i] += q . k_i over NV vectors (8 NV floats, the last vector's lanes limited to `last`
+// of them) for the first nk <= 8 of the 8 key rows k_i = k + i k_seq: decode's S step.
+template <int NV>
+void dot_8_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t nk,
+                std::int64_t last, __m256 (&a)[8]) {
+  const __m256i last_mask = first_lanes(last);
+  __m256 qv[NV];
+  for (int c = 0; c < NV; ++c) {
+    qv[c] = c + 1 == NV ? _mm256_maskload_ps(q + 8 * c, last_mask) : _mm256_loadu_ps(q + 8 * c);
+  }
+  for (int i = 0; i < 8; ++i) {
+    if (i >= nk) break;
+    const float* key = k + i * k_seq;
+    __m256 dot = a[i];
+    for (int c = 0; c < NV; ++c) {
+      const __m256 kv = c + 1 == NV && last < 8 ? _mm256_maskload_ps(key + 8 * c, last_mask)
+                                                : _mm256_loadu_ps(key + 8 * c);
+      dot = _mm256_fmadd_ps(qv[c], kv, dot);
+    }
+    a[i] = dot;
+  }
+}
+
+// acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited to
+// `last` of them) of the rows v_j = v + j v_seq: decode's P V step for one row.
+template <int NV>
+void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
+                       std::int64_t last, float* acc, float alpha, RowPrefetch& k_ahead,
+                       RowPrefetch& v_ahead) {
+  const __m256i last_mask = first_lanes(last);
+  const __m256 av = _mm256_set1_ps(alpha);
+  __m256 o[NV];
+  for (int c = 0; c < NV; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), av);
+  for (std::int64_t j = 0; j < cols; ++j) {
+    k_ahead.step();
+    v_ahead.step();
+    const __m256 wj = _mm256_broadcast_ss(w + j);
+    const float* row = v + j * v_seq;
+    for (int c = 0; c < NV; ++c) {
+      const __m256 x = c + 1 == NV && last < 8 ? _mm256_maskload_ps(row + 8 * c, last_mask)
+                                               : _mm256_loadu_ps(row + 8 * c);
+      o[c] = _mm256_fmadd_ps(wj, x, o[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
+}
+
+// Decode's arrays in the caller's workspace.
+struct DecodeScratch {
+  std::int64_t tile_keys;  // keys per tile, a multiple of kDotKeys
+  std::int64_t d8;         // head_dim rounded up to 8: an accumulator's length
+  float* acc;              // [rows][d8]: O
+  float* weights;          // [tile_keys]: one row's logits, then its weights
+};
+
+DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
+  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+  DecodeScratch s;
+  s.tile_keys = mha::support::decode_tile_keys(p, kDotKeys);
+  s.d8 = round_up(p.head_dim, 8);
+  s.acc = carve.take<float>(rows * s.d8);
+  s.weights = carve.take<float>(s.tile_keys);
+  return s;
+}
+
+// One function on purpose, as avx512's decode: the per-row steps stay in one register
+// allocation.
+void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+                 float* lse, mha::Workspace ws) {
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  const std::int64_t dim = p.head_dim;
+  const std::int64_t rows = group * p.q_len;  // < kDecodeRows
+  Carve workspace(ws.data);
+  const DecodeScratch s = carve_decode(p, workspace);
+  const std::int64_t tile_keys = s.tile_keys;
+  // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
+  const __m256 logit_scale =
+      _mm256_set1_ps(static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Prefetch steps per tile: one per key of every row's P V slices.
+  const std::int64_t steps = rows * tile_keys * mha::support::ceil_div(dim, kPvColumns);
+
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
+      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
+      // Row t: query head kv_head g + t / q_len, query row t % q_len.
+      const auto q_row = [&](std::int64_t t) {
+        return q + b * p.q.batch + (t % p.q_len) * p.q.seq +
+               (kv_head * group + t / p.q_len) * p.q.head;
+      };
+      float ms[kDecodeRows], ls[kDecodeRows];
+      std::fill(ms, ms + rows, neg_inf);
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(s.acc, s.acc + rows * s.d8, 0.0f);
+      const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
+      {  // the first tile, before it is needed
+        const std::int64_t first = std::min(tile_keys, block_keys);
+        RowPrefetch(k_head, p.k.seq, first, dim, 1).step();
+        RowPrefetch(v_head, p.v.seq, first, dim, 1).step();
+      }
+
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
+        const std::int64_t next =
+            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
+        RowPrefetch k_ahead(k_head + (c0 + tile_keys) * p.k.seq, p.k.seq, next, dim, steps);
+        RowPrefetch v_ahead(v_head + (c0 + tile_keys) * p.v.seq, p.v.seq, next, dim, steps);
+        const float* k_tile = k_head + c0 * p.k.seq;
+        const float* v_tile = v_head + c0 * p.v.seq;
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols =
+              std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, keys);
+          if (cols == 0) continue;
+          const float* qr = q_row(t);
+          // Base-2 logits of the row's `cols` keys, 8 at a time: key i's dot product in
+          // a[i], over slices of 32 columns of head_dim whose q part stays in registers.
+          __m256 mv = _mm256_set1_ps(neg_inf);
+          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+            const std::int64_t nk = std::min(kDotKeys, cols - j0);
+            const float* key0 = k_tile + j0 * p.k.seq;
+            __m256 a[8];
+            for (__m256& x : a) x = _mm256_setzero_ps();
+            for (std::int64_t d0 = 0; d0 < dim; d0 += kDotColumns) {
+              const std::int64_t n = std::min(kDotColumns, dim - d0);
+              mha::support::with_count<kDotColumns / 8>((n + 7) / 8, [&](auto vectors) {
+                constexpr int kVectors = decltype(vectors)::value;
+                dot_8_keys<kVectors>(qr + d0, key0 + d0, p.k.seq, nk, n - 8 * (kVectors - 1), a);
+              });
+            }
+            const __m256 x = _mm256_mul_ps(sum_lanes8(a), logit_scale);
+            _mm256_storeu_ps(s.weights + j0, x);
+            // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
+            mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
+          }
+          const float tile_max = horizontal_max(mv);  // no lane of mv is NaN
+          float alpha = 1.0f;
+          if (tile_max > ms[t]) {
+            alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
+            ms[t] = tile_max;
+          }
+          const __m256 base = _mm256_set1_ps(mha::support::logit_shift(ms[t]));
+          __m256 sum = _mm256_setzero_ps();
+          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+            const __m256 w = _mm256_and_ps(
+                mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s.weights + j0), base)),
+                _mm256_castsi256_ps(first_lanes(cols - j0)));
+            _mm256_storeu_ps(s.weights + j0, w);
+            sum = _mm256_add_ps(sum, w);
+          }
+          ls[t] = ls[t] * alpha + horizontal_sum(sum);
+          // O = alpha O + P V over the row's keys, 64 columns of head_dim at a time.
+          float* acc = s.acc + t * s.d8;
+          for (std::int64_t d0 = 0; d0 < dim; d0 += kPvColumns) {
+            const std::int64_t n = std::min(kPvColumns, dim - d0);
+            mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
+              constexpr int kVectors = decltype(vectors)::value;
+              add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
+                                          n - 8 * (kVectors - 1), acc + d0, alpha, k_ahead,
+                                          v_ahead);
+            });
+          }
+        }
+      }
+
+      for (std::int64_t t = 0; t < rows; ++t) {
+        const std::int64_t row = t % p.q_len, head = kv_head * group + t / p.q_len;
+        float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
+        float* lse_row = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
+        finish_row(s.acc + t * s.d8, ms[t], ls[t], mha::visible_keys(p, row), dim, o_row, lse_row);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) {
-  return mha::support::workspace_bytes([&](Carve& c) { carve(p, c); });
+  if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+  // At least what the largest decode needs, so that the size never shrinks as q_len grows.
+  mha::Problem largest_decode = p;
+  largest_decode.q_heads = p.kv_heads;
+  largest_decode.q_len = kDecodeRows - 1;
+  return std::max(mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+                  mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
 }
 
 void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* k, const float* v,
                             float* o, float* lse, mha::Workspace ws) {
+  if (decodes(p)) {
+    decode_rows(p, q, k, v, o, lse, ws);
+    return;
+  }
   const std::int64_t dim = p.head_dim;
   // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
   const float c = static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);

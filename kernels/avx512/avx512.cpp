@@ -43,10 +43,13 @@
 // weight x V row into 8 zmm of the row's accumulator. Decode
 // streams K and V from memory, so keys come in tiles of 32 with the next one prefetched.
 //
-// Sizes. Bc = 128 keys. R is up to 512 rows: Br = 512 / g (at most q_len, fewer when
-// D > 128, so that Q^T and O^T stay at 256 KiB each, in L2); each KV tile is copied once
-// per block, so the larger R, the fewer copies per FLOP (R = 512 measured 4-7% faster than
-// 256 at D = 128, token-major). Q^T and O^T are stored strip by strip: a strip's 32 rows
+// Sizes, from the caches of the core (mha::support::caches()). Bc = 128 keys: the
+// streamed strip of P^T and S^T (Bc x 32 floats, 16 KiB) stays in any L1d of 32 KiB or
+// more. R is up to 512 rows: Br = R / g, at most q_len, and R x D at most an eighth of L2,
+// so that Q^T and O^T together take a quarter of it (R = 512 at D = 128 with a 2 MiB L2,
+// 256 KiB each; R = 256 with 1 MiB, Zen 4); each KV tile is copied once per block, so the
+// larger R, the fewer copies per FLOP (R = 512 measured 4-7% faster than 256 at D = 128,
+// token-major, 2 MiB L2). Q^T and O^T are stored strip by strip: a strip's 32 rows
 // are one contiguous [D][32] panel (16 KiB at 128), so the operand a microkernel streams
 // lies in 4 pages and covers the L1 sets evenly. S^T is one strip's [Bc][32] panel,
 // reused by every strip: it stays in L1 between the S^T product, the softmax and P V.
@@ -95,7 +98,6 @@ constexpr int kMr = 12;                       // keys (S) or head_dim columns (P
 constexpr std::int64_t kStrip = 32;           // query rows per microkernel: 2 zmm
 constexpr std::int64_t kMaxKeys = 128;        // Bc: keys per KV tile
 constexpr std::int64_t kBlockRows = 512;      // R, rows of a block, when g and D allow
-constexpr std::int64_t kBlockFloats = 65536;  // R x D: the block's Q^T (and O^T), 256 KiB
 constexpr std::int64_t kSmallBlockRows = 64;  // decode-sized blocks: see `small` below
 
 using mha::support::Block;
@@ -108,8 +110,11 @@ Tiling choose_tiling(const mha::Problem& p) {
   const std::int64_t group = p.q_heads / p.kv_heads;
   Tiling t;
   t.keys = std::min(kMaxKeys, p.kv_len);
+  // R x D, the block's Q^T and O^T: each an eighth of L2 (256 KiB of a 2 MiB L2, 128 KiB
+  // of a 1 MiB one).
+  const std::int64_t block_floats = mha::support::caches().l2 / 8 / std::int64_t{sizeof(float)};
   const std::int64_t rows =
-      std::min(kBlockRows, std::max<std::int64_t>(16, kBlockFloats / p.head_dim));
+      std::min(kBlockRows, std::max<std::int64_t>(16, block_floats / p.head_dim));
   t.rows_per_head = std::clamp(rows / group, std::int64_t{1}, p.q_len);
   return t;
 }
@@ -499,12 +504,13 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
 // head_dim instead and K and V are read in whole vectors (from memory for the first row of
 // a tile, from L1 for the others): per row, 16 keys' dot products accumulate in 16 zmm and
 // are finished together by sum_lanes16, and P V adds weight x V row into the row's
-// accumulator, 8 zmm at a time. Keys come in tiles of kDecodeKeys (32 KiB of K and V at
-// D = 128) while the next tile is prefetched; a row reads only the keys it sees, so masked
-// V rows are never touched.
+// accumulator, 8 zmm at a time. Keys come in tiles of support::decode_tile_keys (K and V
+// of a tile in two thirds of L1d: 32 keys at D = 128 with a 48 KiB L1d, 16 with 32 KiB)
+// while the next tile is prefetched; a row reads only the keys it sees, so masked V rows
+// are never touched.
 //
 //   for each (batch, KV head): its g x q_len rows, O = 0
-//     for each tile of kDecodeKeys keys, the next one prefetched:
+//     for each tile of keys, the next one prefetched:
 //       for each row that sees a key of the tile:
 //         S: 16 keys' dot products at once                  dot_16_keys, sum_lanes16
 //         online softmax, base 2: m, alpha, P = 2^(S - m), l
@@ -514,13 +520,13 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
 // One function on purpose: with the three per-row steps as functions of their own, a
 // decode of one KV chunk (4 rows x 256 keys, D = 128) ran 8% slower (GCC 12, register
 // allocation across the calls).
-constexpr std::int64_t kDecodeKeys = 32;
 
 // Decode's arrays in the caller's workspace.
 struct DecodeScratch {
-  std::int64_t d16;  // head_dim rounded up to 16: an accumulator's length
-  float* acc;        // [rows][d16]: O
-  float* weights;    // [kDecodeKeys]: one row's logits, then its weights
+  std::int64_t d16;        // head_dim rounded up to 16: an accumulator's length
+  float* acc;              // [rows][d16]: O
+  std::int64_t tile_keys;  // keys per tile, a multiple of 16
+  float* weights;          // [tile_keys]: one row's logits, then its weights
 };
 
 DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
@@ -528,7 +534,8 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
   DecodeScratch s;
   s.d16 = round_up(p.head_dim, 16);
   s.acc = carve.take<float>(rows * s.d16);
-  s.weights = carve.take<float>(kDecodeKeys);
+  s.tile_keys = mha::support::decode_tile_keys(p, 16);
+  s.weights = carve.take<float>(s.tile_keys);
   return s;
 }
 
@@ -543,6 +550,7 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   float* const acc_rows = scratch.acc;
   float* const weights = scratch.weights;
   const __m512 logit_scale = logit_scale_of(p);
+  const std::int64_t kDecodeKeys = scratch.tile_keys;
   const std::int64_t steps = rows * (kDecodeKeys / 16 * ((dim + 127) / 128) + kDecodeKeys);
   const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 

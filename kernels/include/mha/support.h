@@ -170,7 +170,8 @@ inline std::int64_t count_cpus(const std::string& list) {
 inline Caches read_caches() {
   if (const char* env = std::getenv("MHA_CACHES"); env != nullptr && *env != '\0') {
     const char* comma = std::strchr(env, ',');
-    const std::int64_t l1d = comma != nullptr ? parse_cache_size(std::string(env, comma).c_str()) : -1;
+    const std::int64_t l1d =
+        comma != nullptr ? parse_cache_size(std::string(env, comma).c_str()) : -1;
     const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
     if (l1d < (4 << 10) || l2 < l1d) {
       throw std::invalid_argument(std::string("MHA_CACHES=") + env +
@@ -235,10 +236,13 @@ inline Tiling flash_tiling(const Problem& p, const Caches& c = caches()) {
   constexpr std::int64_t kMaxRowsPerHead = 64;
   const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t kv_tile_floats = c.l1d / 2 / std::int64_t{sizeof(float)};
+  // Sized for a whole tile even when kv_len is shorter, so that Br does not depend on
+  // kv_len: the workspace of a shorter problem (a split-KV chunk) is never the larger.
+  const std::int64_t keys = std::clamp(kv_tile_floats / p.head_dim, kMinKeys, kMaxKeys);
   Tiling t;
-  t.keys = std::min(std::clamp(kv_tile_floats / p.head_dim, kMinKeys, kMaxKeys), p.kv_len);
+  t.keys = std::min(keys, p.kv_len);
   const std::int64_t block_floats = c.l2 / 4 / std::int64_t{sizeof(float)};
-  const std::int64_t row_floats = 2 * p.head_dim + t.keys;
+  const std::int64_t row_floats = 2 * p.head_dim + keys;
   t.rows_per_head =
       std::clamp(block_floats / (group * row_floats), std::int64_t{1}, kMaxRowsPerHead);
   t.rows_per_head = std::min(t.rows_per_head, p.q_len);
