@@ -496,10 +496,11 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
   }
 }
 
-// Decode: fewer than kDecodeRows query rows (g x q_len) per KV head, too few to amortize
-// packing K and V for the 6-row microkernels (a packed K^T tile costs about as much as its
-// S products for 4 rows). Here the lanes run along head_dim and K and V are read in place,
-// in whole vectors (from memory for the group's first row of a tile, from L1 for the
+// Decode: fewer than kDecodeRows = 16 query rows (g x q_len) per KV head, too few to
+// amortize packing K and V for the 6-row microkernels: with K and V in L2 (D = 128, 2048
+// keys), 8 rows took 13.9 ns per row and key here against 16.4 through the packed tiles, 16
+// rows 13.4 against 11.2 (Xeon, 2 MiB L2). Here the lanes run along head_dim and K and V are read
+// in place, in whole vectors (from memory for the group's first row of a tile, from L1 for the
 // others): per row, 8 keys' dot products accumulate in 8 ymm and are finished together by
 // sum_lanes8, and P V adds weight x V row into the row's accumulator, 8 ymm (64 columns) at
 // a time. Keys come in tiles of support::decode_tile_keys (K and V of a tile in two thirds
@@ -518,8 +519,16 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 // Registers: dot_8_keys holds 8 accumulators and 4 q vectors (13 of 16 ymm with the key
 // vector): per key and 32 columns 4 FMAs and 4 loads, the q loads amortized over 8 keys, so
 // the 2 load ports keep the 2 FMA ports busy. add_weighted_rows holds 8 accumulators, the
-// broadcast weight and the V vector: 8 independent FMA chains, one V load each.
-constexpr std::int64_t kDecodeRows = 8;   // rows per KV head below which a problem decodes
+// broadcast weight and the V vector: 8 independent FMA chains, one V load each. Their
+// loops over vectors carry `#pragma GCC unroll`: without it GCC 12 kept the accumulator
+// arrays in memory, a store per FMA.
+//
+// Prefetch: the next tile's K and V lines, spread over the S steps of every row (one
+// RowPrefetch step per 8 keys). K and V 4x the L3 (g = 4, 32768 keys, head-major): 24 ns per
+// row and key, 30.7 without software prefetch, 26.6 with the whole tile prefetched by its
+// first row; with K and V in L2 the prefetches cost 12.6 -> 17.0 ns, a case decode meets
+// only in benchmarks that repeat one step (a KV cache is read once per step).
+constexpr std::int64_t kDecodeRows = 16;  // rows per KV head below which a problem decodes
 constexpr std::int64_t kDotKeys = 8;      // keys per dot_8_keys call
 constexpr std::int64_t kDotColumns = 32;  // head_dim columns of q in registers per call
 constexpr std::int64_t kPvColumns = 64;   // head_dim columns per add_weighted_rows call
@@ -542,13 +551,16 @@ void dot_8_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t
                 std::int64_t last, __m256 (&a)[8]) {
   const __m256i last_mask = first_lanes(last);
   __m256 qv[NV];
+#pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) {
     qv[c] = c + 1 == NV ? _mm256_maskload_ps(q + 8 * c, last_mask) : _mm256_loadu_ps(q + 8 * c);
   }
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     if (i >= nk) break;
     const float* key = k + i * k_seq;
     __m256 dot = a[i];
+#pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
       const __m256 kv = c + 1 == NV && last < 8 ? _mm256_maskload_ps(key + 8 * c, last_mask)
                                                 : _mm256_loadu_ps(key + 8 * c);
@@ -562,23 +574,23 @@ void dot_8_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t
 // `last` of them) of the rows v_j = v + j v_seq: decode's P V step for one row.
 template <int NV>
 void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
-                       std::int64_t last, float* acc, float alpha, RowPrefetch& k_ahead,
-                       RowPrefetch& v_ahead) {
+                       std::int64_t last, float* acc, float alpha) {
   const __m256i last_mask = first_lanes(last);
   const __m256 av = _mm256_set1_ps(alpha);
   __m256 o[NV];
+#pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), av);
   for (std::int64_t j = 0; j < cols; ++j) {
-    k_ahead.step();
-    v_ahead.step();
     const __m256 wj = _mm256_broadcast_ss(w + j);
     const float* row = v + j * v_seq;
+#pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
       const __m256 x = c + 1 == NV && last < 8 ? _mm256_maskload_ps(row + 8 * c, last_mask)
                                                : _mm256_loadu_ps(row + 8 * c);
       o[c] = _mm256_fmadd_ps(wj, x, o[c]);
     }
   }
+#pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
 }
 
@@ -614,8 +626,8 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   const __m256 logit_scale =
       _mm256_set1_ps(static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e));
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // Prefetch steps per tile: one per key of every row's P V slices.
-  const std::int64_t steps = rows * tile_keys * mha::support::ceil_div(dim, kPvColumns);
+  // Prefetch steps per tile: one per 8 keys of every row's S.
+  const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, kDotKeys);
 
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
@@ -665,6 +677,8 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
                 dot_8_keys<kVectors>(qr + d0, key0 + d0, p.k.seq, nk, n - 8 * (kVectors - 1), a);
               });
             }
+            k_ahead.step();
+            v_ahead.step();
             const __m256 x = _mm256_mul_ps(sum_lanes8(a), logit_scale);
             _mm256_storeu_ps(s.weights + j0, x);
             // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
@@ -693,8 +707,7 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
             mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
               constexpr int kVectors = decltype(vectors)::value;
               add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
-                                          n - 8 * (kVectors - 1), acc + d0, alpha, k_ahead,
-                                          v_ahead);
+                                          n - 8 * (kVectors - 1), acc + d0, alpha);
             });
           }
         }
