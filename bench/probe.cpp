@@ -232,6 +232,16 @@ bool may_read_dram(std::int64_t bytes, const Caches& caches) {
   return reads_from(bytes, caches, smallest) == Level::dram;
 }
 
+namespace {
+double fma_gflops(const ProbeKernels& k, int threads) {
+  // About 50 ms a run at 100 GFLOP/s per core.
+  return best_rate(threads, 7, [&](int) { return k.fma(400000); }) / 1e9;
+}
+double l2_gbps(const ProbeKernels& k, const Caches& c, int threads) {
+  return read_gbps(k, threads, c.l2 > 0 ? c.l2 / 2 : 512 << 10, 1 << 30);
+}
+}  // namespace
+
 Probe run_probe(const Caches& caches, bool dram) {
   Probe p;
   p.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -241,16 +251,13 @@ Probe run_probe(const Caches& caches, bool dram) {
   const ProbeKernels& k = kernels.front();  // reads with the widest vectors
   for (int all = 0; all < 2; ++all) {
     const int threads = all ? p.cores : 1;
-    // About 50 ms a run at 100 GFLOP/s per core.
     for (std::size_t i = 0; i < kernels.size(); ++i) {
-      p.fma[i].gflops[all] =
-          best_rate(threads, 7, [&](int) { return kernels[i].fma(400000); }) / 1e9;
+      p.fma[i].gflops[all] = fma_gflops(kernels[i], threads);
     }
     const Caches& c = p.caches;
     const std::int64_t l1 = c.l1d > 0 ? c.l1d / 2 : 16 << 10;
-    const std::int64_t l2 = c.l2 > 0 ? c.l2 / 2 : 512 << 10;
     p.l1_gbps[all] = read_gbps(k, threads, l1, 1 << 30);
-    p.l2_gbps[all] = read_gbps(k, threads, l2, 1 << 30);
+    p.l2_gbps[all] = l2_gbps(k, c, threads);
     if (c.l3 > 0)
       p.l3_gbps[all] = stream_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
     if (dram) p.dram_gbps[all] = dram_gbps(k, c, threads);
@@ -260,6 +267,17 @@ Probe run_probe(const Caches& caches, bool dram) {
 
 double measure_dram_gbps(const Caches& caches, int threads) {
   return dram_gbps(vector_kernels().front(), caches, threads);
+}
+
+double measure_fma_gflops(const std::string& isa, int threads) {
+  for (const ProbeKernels& k : vector_kernels()) {
+    if (k.isa == isa) return fma_gflops(k, threads);
+  }
+  return 0.0;
+}
+
+double measure_l2_gbps(const Caches& caches, int threads) {
+  return l2_gbps(vector_kernels().front(), caches, threads);
 }
 
 }  // namespace mha::bench

@@ -80,6 +80,13 @@ Probe run_probe(const Caches& caches, bool dram);
 /// streams at memory speed can read faster than the figure measured at the start of the run.
 double measure_dram_gbps(const Caches& caches, int threads);
 
+/// The fp32 FMA peak of `isa` (as in Probe::fma) and the L2 read bandwidth, in GFLOP/s and
+/// GB/s on `threads` threads, measured now as run_probe measures them: when another process
+/// held a core while the probe ran, a benchmark can exceed the figures from the start of the
+/// run. 0 for an ISA the probe does not measure.
+double measure_fma_gflops(const std::string& isa, int threads);
+double measure_l2_gbps(const Caches& caches, int threads);
+
 std::string cpu_model();
 /// The CPU's identity from /proc/cpuinfo (x86: vendor, family, model, stepping), for
 /// machines whose model name is generic (virtual machines often report only "Processor").

@@ -129,7 +129,7 @@ def parse(data: dict[str, Any], source: str = "") -> Results:
         seconds = float(b.get("real_time", 0.0)) * _UNIT_SECONDS[b.get("time_unit", "ns")]
         counters = {k: float(v) for k, v in b.items()
                     if k in ("GFLOPS", "peak_frac", "GBps", "bw_frac", "kv_bytes",
-                             "dram_gbps_now")}
+                             "dram_gbps_now", "l2_gbps_now", "peak_gflops_now")}
         runs.append(Run(shape, g["impl"], seconds, counters, b.get("label", ""), error))
     return Results(dict(data.get("context", {})), runs, source, data)
 
