@@ -25,6 +25,9 @@
 //                                are loaded (unless every alpha of the group is 1)
 //     o = O / l, lse = (m + log2 l) ln2                                        finish_block
 //
+// Decode (fewer than 16 rows g x q_len per KV head) takes its own path, decode_rows, with
+// the lanes along head_dim and K and V read in place: see "Decode" below.
+//
 // ISA: AVX2 + FMA (the file is compiled with -mavx2 -mfma and only called when the CPU has
 // them): 8-float ymm vectors, 16 registers. Both microkernels hold a 6 x 2 grid of ymm
 // accumulators (12 registers; 2 for the streamed operand, 1 for a broadcast): 12 independent
@@ -79,8 +82,10 @@
 //
 // Workspace (the caller's; mha_f32_attention_avx2_workspace gives its size), in floats:
 // Bc D (Kp) + Bc D16 (Vp) + R6 D (Qp, R6 = R rounded up to 6) + R Bc (S) + R D16 (O) +
-// 8 R (row maxima) + 3 R, and R int64 counts: about 530 KiB at D = 128, g = 4. Kp and Vp
-// grow with D (2 MiB each at D = 4096).
+// 8 R (row maxima) + 3 R, and R int64 counts: about 530 KiB at D = 128, g = 4 with a 2 MiB
+// L2, 258 KiB with 512 KiB. Kp and Vp grow with D (2 MiB each at D = 4096). Decode needs
+// g x q_len x D8 floats (D8 = D rounded up to 8) and a tile's weights; a prefill workspace
+// is at least the largest decode's, so that the size never shrinks as q_len grows.
 //
 // Depends on mha/attention.h, mha/support.h and avx2_exp.h (this folder) only.
 #include "avx2_exp.h"

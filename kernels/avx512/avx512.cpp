@@ -77,7 +77,8 @@
 // Workspace (the caller's; mha_f32_attention_avx512_workspace gives its size), in floats
 // (R' = R rounded up to 32; ldkv = D rounded up to 16, plus 16): D x R' (Q^T) + 32 Bc (S^T)
 // + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K and V copies), and R' int32 counts: about
-// 670 KiB at D = 128, g = 4. Decode needs g x q_len x D16 floats and 32 more.
+// 680 KiB at D = 128, g = 4 with a 2 MiB L2 (420 KiB with 1 MiB). Decode needs g x q_len
+// x D16 floats and a tile of weights.
 //
 // Depends on mha/attention.h, mha/support.h and avx512_exp.h (this folder) only.
 // avx512_exp.h first: it includes immintrin.h (see there why).
