@@ -528,11 +528,13 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 // loops over vectors carry `#pragma GCC unroll`: without it GCC 12 kept the accumulator
 // arrays in memory, a store per FMA.
 //
-// Prefetch: the next tile's K and V lines, spread over the S steps of every row (one
-// RowPrefetch step per 8 keys). K and V 4x the L3 (g = 4, 32768 keys, head-major): 24 ns per
-// row and key, 30.7 without software prefetch, 26.6 with the whole tile prefetched by its
-// first row; with K and V in L2 the prefetches cost 12.6 -> 17.0 ns, a case decode meets
-// only in benchmarks that repeat one step (a KV cache is read once per step).
+// Prefetch: the next tile's K and V rows, spread over the S steps of every row (a few whole
+// rows per 8 keys, prefetch_rows). K and V of 256 MiB (g = 4, 8 KV heads x 32768 keys,
+// head-major; Xeon, median of alternating runs): 22.2 ns per row and key, against 32.7
+// without software prefetch, 26.1 with RowPrefetch's line-by-line steps; with K and V in L2
+// the prefetches cost 13.2 -> 14.2 ns (a case decode meets only in benchmarks that repeat
+// one step: a KV cache is read once per step). At g = 1 the stream runs at DRAM speed with
+// or without them (75-79 ns per key of 1 KiB).
 constexpr std::int64_t kDecodeRows = 16;  // rows per KV head below which a problem decodes
 constexpr std::int64_t kDotKeys = 8;      // keys per dot_8_keys call
 constexpr std::int64_t kDotColumns = 32;  // head_dim columns of q in registers per call
@@ -599,6 +601,25 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
   for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
 }
 
+// Prefetches rows [0, n) of K and V (row strides k_seq, v_seq; dim floats each) into L2,
+// every line holding an element of them: decode's software prefetch, whole rows at a time
+// (no per-line state: with RowPrefetch's, the bookkeeping cost 4.4 ns per row and key).
+void prefetch_rows(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
+                   std::int64_t n, std::int64_t dim) {
+  const std::int64_t bytes = dim * std::int64_t{sizeof(float)};
+  for (std::int64_t i = 0; i < n; ++i) {
+    const char* k_row = reinterpret_cast<const char*>(k + i * k_seq);
+    const char* v_row = reinterpret_cast<const char*>(v + i * v_seq);
+    for (std::int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(k_row + b, _MM_HINT_T1);
+      _mm_prefetch(v_row + b, _MM_HINT_T1);
+    }
+    // The last element's line, when the row does not start on a line.
+    _mm_prefetch(k_row + bytes - sizeof(float), _MM_HINT_T1);
+    _mm_prefetch(v_row + bytes - sizeof(float), _MM_HINT_T1);
+  }
+}
+
 // Decode's arrays in the caller's workspace.
 struct DecodeScratch {
   std::int64_t tile_keys;  // keys per tile, a multiple of kDotKeys
@@ -648,20 +669,20 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
       std::fill(ls, ls + rows, 0.0f);
       std::fill(s.acc, s.acc + rows * s.d8, 0.0f);
       const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
-      {  // the first tile, before it is needed
-        const std::int64_t first = std::min(tile_keys, block_keys);
-        RowPrefetch(k_head, p.k.seq, first, dim, 1).step();
-        RowPrefetch(v_head, p.v.seq, first, dim, 1).step();
-      }
+      // The first tile, before it is needed.
+      prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
 
       for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
         const std::int64_t keys = std::min(tile_keys, block_keys - c0);
         const std::int64_t next =
             std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
-        RowPrefetch k_ahead(k_head + (c0 + tile_keys) * p.k.seq, p.k.seq, next, dim, steps);
-        RowPrefetch v_ahead(v_head + (c0 + tile_keys) * p.v.seq, p.v.seq, next, dim, steps);
         const float* k_tile = k_head + c0 * p.k.seq;
         const float* v_tile = v_head + c0 * p.v.seq;
+        // The next tile's rows, rows_per_step at each step. One counter, not pointers
+        // and a count: the S loop has no register to spare (with three more loop-carried
+        // values it ran 27 ns per row and key here instead of 21).
+        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
+        std::int64_t step = 0;
         for (std::int64_t t = 0; t < rows; ++t) {
           const std::int64_t cols =
               std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, keys);
@@ -682,8 +703,11 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
                 dot_8_keys<kVectors>(qr + d0, key0 + d0, p.k.seq, nk, n - 8 * (kVectors - 1), a);
               });
             }
-            k_ahead.step();
-            v_ahead.step();
+            const std::int64_t first = step++ * rows_per_step;
+            if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
+              prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
+                            v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
+            }
             const __m256 x = _mm256_mul_ps(sum_lanes8(a), logit_scale);
             _mm256_storeu_ps(s.weights + j0, x);
             // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
