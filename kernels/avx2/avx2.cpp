@@ -515,13 +515,13 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 //   for each (batch, KV head): its g x q_len rows, O = 0                    decode_rows
 //     for each tile of keys, the next one prefetched:
 //       for each row that sees a key of the tile:
-//         S: 8 keys' dot products at once, 32 columns of q in registers      dot_8_keys,
+//         S: 8 keys' dot products at once, 32 columns of q in registers      dot_keys,
 //                                                                            sum_lanes8
 //         online softmax, base 2: m, alpha, P = 2^(S - m), l
 //         O = alpha O + P V, 8 ymm of head_dim at a time                     add_weighted_rows
 //     o = O / l, lse = (m + log2 l) ln 2                                     finish_row
 //
-// Registers: dot_8_keys holds 8 accumulators and 4 q vectors (13 of 16 ymm with the key
+// Registers: dot_keys holds 8 accumulators and 4 q vectors (13 of 16 ymm with the key
 // vector): per key and 32 columns 4 FMAs and 4 loads, the q loads amortized over 8 keys, so
 // the 2 load ports keep the 2 FMA ports busy. add_weighted_rows holds 8 accumulators, the
 // broadcast weight and the V vector: 8 independent FMA chains, one V load each. Their
@@ -536,8 +536,7 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 // one step: a KV cache is read once per step). At g = 1 the stream runs at DRAM speed with
 // or without them (75-79 ns per key of 1 KiB).
 constexpr std::int64_t kDecodeRows = 16;  // rows per KV head below which a problem decodes
-constexpr std::int64_t kDotKeys = 8;      // keys per dot_8_keys call
-constexpr std::int64_t kDotColumns = 32;  // head_dim columns of q in registers per call
+constexpr std::int64_t kDotKeys = 8;      // keys per dot_keys call
 constexpr std::int64_t kPvColumns = 64;   // head_dim columns per add_weighted_rows call
 
 bool decodes(const mha::Problem& p) { return p.q_heads / p.kv_heads * p.q_len < kDecodeRows; }
@@ -551,30 +550,35 @@ __m256 sum_lanes8(const __m256 (&a)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// a[i] += q . k_i over NV vectors (8 NV floats, the last vector's lanes limited to `last`
-// of them) for the first nk <= 8 of the 8 key rows k_i = k + i k_seq: decode's S step.
-template <int NV>
-void dot_8_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t nk,
-                std::int64_t last, __m256 (&a)[8]) {
-  const __m256i last_mask = first_lanes(last);
-  __m256 qv[NV];
+// Lane i: q . k_i (i < NK; lanes from NK on are 0) for the key rows k_i = k + i k_seq,
+// over head_dim = dim: decode's S step. Full slices of 32 columns keep 4 vectors of q in
+// registers against 8 accumulators; the last partial slice loads its last vector masked.
+template <int NK>
+__m256 dot_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t dim) {
+  __m256 a[8];
 #pragma GCC unroll 8
-  for (int c = 0; c < NV; ++c) {
-    qv[c] = c + 1 == NV ? _mm256_maskload_ps(q + 8 * c, last_mask) : _mm256_loadu_ps(q + 8 * c);
-  }
+  for (__m256& x : a) x = _mm256_setzero_ps();
+  std::int64_t d0 = 0;
+  for (; d0 + 32 <= dim; d0 += 32) {
+    __m256 qv[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) qv[c] = _mm256_loadu_ps(q + d0 + 8 * c);
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    if (i >= nk) break;
-    const float* key = k + i * k_seq;
-    __m256 dot = a[i];
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) {
-      const __m256 kv = c + 1 == NV && last < 8 ? _mm256_maskload_ps(key + 8 * c, last_mask)
-                                                : _mm256_loadu_ps(key + 8 * c);
-      dot = _mm256_fmadd_ps(qv[c], kv, dot);
+    for (int i = 0; i < NK; ++i) {
+      const float* key = k + i * k_seq + d0;
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) a[i] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(key + 8 * c), a[i]);
     }
-    a[i] = dot;
   }
+  for (; d0 < dim; d0 += 8) {  // the last 1 .. 31 columns, a vector at a time
+    const __m256i mask = first_lanes(dim - d0);
+    const __m256 qv = _mm256_maskload_ps(q + d0, mask);
+#pragma GCC unroll 8
+    for (int i = 0; i < NK; ++i) {
+      a[i] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(k + i * k_seq + d0, mask), a[i]);
+    }
+  }
+  return sum_lanes8(a);
 }
 
 // acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited to
@@ -694,21 +698,16 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
           for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
             const std::int64_t nk = std::min(kDotKeys, cols - j0);
             const float* key0 = k_tile + j0 * p.k.seq;
-            __m256 a[8];
-            for (__m256& x : a) x = _mm256_setzero_ps();
-            for (std::int64_t d0 = 0; d0 < dim; d0 += kDotColumns) {
-              const std::int64_t n = std::min(kDotColumns, dim - d0);
-              mha::support::with_count<kDotColumns / 8>((n + 7) / 8, [&](auto vectors) {
-                constexpr int kVectors = decltype(vectors)::value;
-                dot_8_keys<kVectors>(qr + d0, key0 + d0, p.k.seq, nk, n - 8 * (kVectors - 1), a);
-              });
-            }
+            __m256 dots;
+            mha::support::with_count<kDotKeys>(nk, [&](auto count) {
+              dots = dot_keys<decltype(count)::value>(qr, key0, p.k.seq, dim);
+            });
             const std::int64_t first = step++ * rows_per_step;
             if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
               prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
                             v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
             }
-            const __m256 x = _mm256_mul_ps(sum_lanes8(a), logit_scale);
+            const __m256 x = _mm256_mul_ps(dots, logit_scale);
             _mm256_storeu_ps(s.weights + j0, x);
             // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
             mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
