@@ -4,7 +4,9 @@
 //
 // Computes what mha/attention.h specifies: per query head h (reading KV head h / g,
 // g = q_heads / kv_heads), o = softmax(scale * q k^T + causal mask) v and lse = the log of
-// the softmax denominator, one KV tile at a time:
+// the softmax denominator, one KV tile at a time. Two paths; decodes(p) chooses:
+//
+// Prefill, g x q_len >= 8 rows per KV head:
 //
 //   for each (batch, KV head, block of g x Br query rows):   for_each_block, start_block
 //     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped):
@@ -16,29 +18,78 @@
 //       O += P V                 microkernel 4 rows x 16 columns     tile_pv
 //     o = O / l, lse = m + log(l)                                    finish_block
 //
+// Decode, g x q_len < 8 rows per KV head (decode_rows): lanes along head_dim instead.
+//
+//   for each (batch, KV head): its g x q_len rows, O = 0             for_each_block
+//     prefetch the first tile into L2
+//     for each tile of Bd keys some row sees, the next tile prefetched  Prefetch
+//       into L2 over the tile's work:
+//       for each row that sees a key of the tile, its keys only:
+//         S: 16 keys' dot products at once, K rows read in place     row_logits,
+//           (4-float vectors, q in registers); FADDP trees finish    dot_16_keys,
+//           4 accumulators at once                                   sum_lanes4
+//         online softmax: m, alpha = exp(m_old - m), P = exp(S - m), l  row_softmax
+//         O = alpha O + P V, 16 vectors of head_dim in registers     row_pv,
+//           at a time, V rows read in place                          add_weighted_rows
+//     o = O / l, lse = m + log(l)                                    finish_row
+//
 // ISA: AArch64 Advanced SIMD (mandatory on AArch64, no extra compiler flags). Both
 // microkernels hold a 4 x 4 grid of 128-bit accumulators (16 of the 32 vector registers)
 // and multiply by lane (FMLA v.4s, v.4s, v.s[l]) so four rows' operands come from one
 // 4-float load each: 16 independent FMA chains cover 4 cycles of latency x up to 4 FMA
 // pipes, with 4 operand registers and 4 broadcast sources, 24 registers in all.
 //
-// Tails: key counts, rows and head_dim of any size. Scratch tiles (K^T, S, accumulators)
-// are padded to multiples of 4 floats so the microkernels use whole vectors there; tensor
-// memory is only touched with whole vectors that lie inside a row (d + 4 <= head_dim) and
-// lane by lane or scalar for the last head_dim % 4 elements. P V only visits the keys a row
-// sees (rows of a microkernel block share the keys all of them see; each row then adds its
-// own few extra keys alone), so NaN or Inf in a masked V row never reaches a row.
+// Decode. With 1-3 rows the 4-row microkernels run partly empty (1 row: 4 of 16 chains,
+// a load per FMA), and the K^T packing, about 4 instructions per key and 4 columns (a load,
+// two permutes on the FMA pipes of Neoverse N1 and Cortex-A76, a store), costs as much as
+// the S product of a full 4-row block. The decode path packs nothing: K and V rows are read
+// in place, from memory for the first row of a tile and from L1 for the others. It needs a
+// load per FMA (the 4-row microkernels about 0.3) but no permutes, no K^T stores and no
+// partial row blocks. Per key and 4 columns for R rows: decode 2R FMAs and 2R loads;
+// prefill 2R FMAs + 2 permutes on the same pipes, about 0.6 R loads and a store, and for
+// 5-7 rows a remainder block as load-bound as decode rows and short of FMA chains. On cores
+// with as many load as FMA pipes (N1, A76: 2 and 2) decode comes out ahead up to 8 rows and
+// about even beyond; with 4 FMA pipes and 3 loads (Neoverse V1, V2) even at 4 rows, ahead at
+// 5-7 and behind from 8 rows, where prefill runs two full 4-row blocks. And decode reads with
+// software prefetch, which counts while the rows are too few to be compute-bound (D = 128:
+// 8 D bytes of K and V per key against 64 R FMA instructions). Hence decode below 8 rows
+// (kDecodeRows). These are instruction counts, not measurements: there is no Arm machine
+// at hand, and qemu timings say nothing. The decode microkernels hold 16 accumulators too:
+// 16 keys' dot products of one row (dot_16_keys, with 4 vectors of q), and 16 vectors (64
+// columns) of one row's O (add_weighted_rows, 4 keys' weights per load, used by lane).
+//
+// Causal masking is bottom-right aligned: every row sees a prefix of the keys. Prefill
+// computes a microkernel block's logits up to the last key one of its rows sees and masks
+// the rest per row in the softmax; decode computes each row's logits over its own keys
+// only. P V only visits the keys a row sees (prefill: rows of a microkernel block share the
+// keys all of them see; each row then adds its own few extra keys alone), so NaN or Inf in
+// a masked V row never reaches a row. Tiles no row sees are skipped.
+//
+// Tails: key counts, rows and head_dim of any size. Scratch tiles (K^T, S, weights,
+// accumulators) are padded to multiples of 4 floats so the microkernels use whole vectors
+// there; tensor memory is only touched with whole vectors that lie inside a row
+// (d + 4 <= head_dim) and lane by lane (load_partial) or scalar for the last head_dim % 4
+// elements.
 //
 // Layout: any strides mha::check accepts (token-major, head-major, padded, stride 0,
 // shared inputs); no alignment assumed (vld1q/vst1q are unaligned-safe). Reads only
-// elements the strides address (of keys, only those some row of the block sees); writes
-// only o's and lse's elements. Reads nothing past the end of any tensor.
+// elements the strides address (of keys, only those some row of the block sees; decode
+// prefetches only such elements too); writes only o's and lse's elements. Reads nothing
+// past the end of any tensor.
 //
-// Tile sizes: mha::support::flash_tiling, as blocked (mha/support.h gives the reasoning).
+// Tile sizes: prefill, mha::support::flash_tiling, as blocked; decode, Bd =
+// mha::support::decode_tile_keys(p, 16) keys, a multiple of 16 whose K and V rows fill two
+// thirds of L1d, so that a tile's later rows read it from L1 (mha/support.h gives the
+// reasoning). D = 128: Bc = 32 keys and Bd = 16 with a 32 KiB L1d, 48 and 32 with 48 KiB,
+// 64 and 32 with 64 KiB.
 //
 // Workspace (the caller's; mha_f32_attention_neon_workspace gives its size), in floats
-// (Bc4, D4 = Bc, D rounded up to 4): D x Bc4 (K^T) + R x Bc4 (scores) + R x D4
-// (accumulators) + 2 R, R = g x Br: about 80 KiB at D = 128, g = 4.
+// (Bc4, D4 = Bc, D rounded up to 4). Prefill: D x Bc4 (K^T) + R x Bc4 (scores) + R x D4
+// (accumulators) + 2 R, R = g x Br: about 87 KiB at D = 128, g = 4 with 32 KiB L1d and
+// 512 KiB L2 (Bc = 32, R = 112). Decode: rows x D4 (accumulators) + Bd (one row's logits,
+// then weights), under 4 KiB at D = 128. A prefill workspace is at least the largest
+// decode's (7 rows of the same head_dim), so the size never shrinks as q_len grows across
+// the threshold (at head_dim 1, 7 decode rows need more than an 8-row prefill block).
 //
 // Depends on mha/attention.h, mha/support.h and neon_exp.h (this folder) only.
 #include <arm_neon.h>
@@ -48,6 +99,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "mha/attention.h"
 #include "mha/support.h"
@@ -62,10 +114,18 @@ using mha::support::Tiling;
 constexpr int kRows = 4;     // MR: rows per microkernel block
 constexpr int kVectors = 4;  // NR = 4 x 4 = 16 floats per microkernel block
 
+// Decode: below kDecodeRows rows (g x q_len) per KV head (the header says why 8). Its
+// microkernels finish kDecodeKeys keys' logits at once, reading kDecodeQVectors vectors of
+// q per pass over them, and add kDecodeOVectors vectors of a row's O at once.
+constexpr std::int64_t kDecodeRows = 8;
+constexpr std::int64_t kDecodeKeys = 16;
+constexpr int kDecodeQVectors = 4;   // 16 accumulators + 4 q + loads: about 24 registers
+constexpr int kDecodeOVectors = 16;  // 16 accumulators + weights + loads
+
 std::int64_t round_up4(std::int64_t n) { return mha::support::round_up(n, 4); }
 
 // The first n (1..3) floats of x in the low lanes, zeros above: never reads x[n].
-float32x4_t load_partial(const float* x, std::int64_t n) {
+[[gnu::always_inline]] inline float32x4_t load_partial(const float* x, std::int64_t n) {
   float32x4_t r = vdupq_n_f32(0.0f);
   r = vld1q_lane_f32(x, r, 0);
   if (n > 1) r = vld1q_lane_f32(x + 1, r, 1);
@@ -385,15 +445,331 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
   }
 }
 
+// Decode: lanes along head_dim (the header's second path).
+
+// Whether a problem takes the decode path.
+bool decodes(const mha::Problem& p) { return p.q_heads / p.kv_heads * p.q_len < kDecodeRows; }
+
+// Brings KV rows into L2 ahead of their use: the next tile's K and V rows while the
+// current tile computes (and a block's first tile before it starts), a few lines of each
+// every few microkernel steps (the avx512 kernel measured prefetches spread this way at
+// three times the bandwidth of the hardware prefetchers alone in decode, and bursts no
+// better). Into L2 (PRFM PLDL2KEEP), not L1: the next tile would evict the current one from
+// L1, where the tile's other rows read it. A row's points are elements 0, 16, 32, ... and its
+// last element, at most 64 bytes apart, so every line holding an element of the row is
+// touched whatever the row's alignment, and nothing else is; prefetches never fault.
+class Prefetch {
+ public:
+  // Rows k[first + j], v[first + j] for j < keys (head_dim floats each; k, v the KV head's
+  // row 0), spread over `steps` step()s: a point of each every few steps, or a few every step.
+  Prefetch(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
+           std::int64_t first, std::int64_t keys, std::int64_t head_dim, std::int64_t steps)
+      : k_(k),
+        v_(v),
+        k_seq_(k_seq),
+        v_seq_(v_seq),
+        first_(first),
+        keys_(keys),
+        last_(head_dim - 1),
+        points_(mha::support::ceil_div(head_dim - 1, 16) + 1) {
+    const std::int64_t total = std::max<std::int64_t>(1, keys * points_);
+    steps = std::max<std::int64_t>(1, steps);
+    every_ = std::max<std::int64_t>(1, steps / total);
+    per_step_ = mha::support::ceil_div(total, steps);
+  }
+
+  // Inlined: a call in a microkernel's loop would spill its accumulators (AAPCS64 keeps
+  // only the low halves of v8-v15 across calls).
+  [[gnu::always_inline]] void step() {
+    if (key_ == keys_ || ++tick_ < every_) return;
+    tick_ = 0;
+    for (std::int64_t n = 0; n < per_step_ && key_ < keys_; ++n) {
+      const std::int64_t d = std::min(16 * point_, last_);
+      __builtin_prefetch(k_ + (first_ + key_) * k_seq_ + d, 0, 2);
+      __builtin_prefetch(v_ + (first_ + key_) * v_seq_ + d, 0, 2);
+      if (++point_ == points_) {
+        point_ = 0;
+        ++key_;
+      }
+    }
+  }
+  // Whatever is left (rows that saw none of a tile's keys took no steps).
+  void all() {
+    while (key_ < keys_) step();
+  }
+
+ private:
+  const float* k_;
+  const float* v_;
+  std::int64_t k_seq_, v_seq_, first_, keys_, last_, points_;
+  std::int64_t every_ = 1, per_step_ = 1, key_ = 0, point_ = 0, tick_ = 0;
+};
+
+// f(NV, kPartial) for the slice of a row that starts `cols` columns before its end, at
+// most 4 kMax columns: NV vectors, the last one partial (head_dim % 4 columns, lane by lane)
+// when the slice ends the row and head_dim is not a multiple of 4.
+template <int kMax, typename F>
+void with_slice(std::int64_t cols, F&& f) {
+  const std::int64_t n = std::min<std::int64_t>(4 * kMax, cols);
+  mha::support::with_count<kMax>((n + 3) / 4, [&](auto vectors) {
+    if (n % 4 != 0) {
+      f(vectors, std::true_type{});
+    } else {
+      f(vectors, std::false_type{});
+    }
+  });
+}
+
+// Vector c of NV of a row slice: whole, or for the last one with kPartial its first `tail`
+// (1..3) floats, zeros above.
+template <int NV, bool kPartial>
+[[gnu::always_inline]] inline float32x4_t load_slice(const float* x, int c, std::int64_t tail) {
+  return kPartial && c + 1 == NV ? load_partial(x + 4 * c, tail) : vld1q_f32(x + 4 * c);
+}
+
+// a[i] += q[0 .. 4 NV) * k_i[0 .. 4 NV) lane by lane for the first nk <= 16 of the key rows
+// k_i = k + i k_seq, q held in NV registers: decode's S step over one slice of head_dim
+// (tail: see load_slice; the zeros of q and k meet, so the lanes past head_dim add 0).
+// 16 keys, 16 independent FMA chains.
+template <int NV, bool kPartial>
+[[gnu::always_inline]] inline void dot_16_keys(const float* q, const float* k, std::int64_t k_seq,
+                                               std::int64_t nk, std::int64_t tail,
+                                               float32x4_t (&a)[kDecodeKeys]) {
+  float32x4_t qv[NV];
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c) qv[c] = load_slice<NV, kPartial>(q, c, tail);
+#pragma GCC unroll 16
+  for (int i = 0; i < kDecodeKeys; ++i) {
+    if (i >= nk) break;
+    const float* key = k + i * k_seq;
+    float32x4_t dot = a[i];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c)
+      dot = vfmaq_f32(dot, qv[c], load_slice<NV, kPartial>(key, c, tail));
+    a[i] = dot;
+  }
+}
+
+// Lane i of the result = the sum of the 4 lanes of a[i]: four dot products finished at once
+// by a tree of 3 FADDP (pairwise adds) instead of 4 horizontal sums.
+inline float32x4_t sum_lanes4(float32x4_t a0, float32x4_t a1, float32x4_t a2, float32x4_t a3) {
+  return vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3));
+}
+
+// The lanes of 4-key vector j0 .. j0 + 4 that are among the first n keys.
+inline uint32x4_t first_lanes(std::int64_t j0, std::int64_t n) {
+  const std::int32_t lane_ids[4] = {0, 1, 2, 3};
+  return vcltq_s32(vld1q_s32(lane_ids),
+                   vdupq_n_s32(static_cast<std::int32_t>(std::clamp<std::int64_t>(n - j0, 0, 4))));
+}
+
+// o[c] += v_row[c] x wv[L] for NV vectors: one key of add_weighted_rows.
+template <int NV, bool kPartial, int L>
+[[gnu::always_inline]] inline void add_weighted_row(float32x4_t (&o)[NV], const float* row,
+                                                    float32x4_t wv, std::int64_t tail) {
+#pragma GCC unroll 16
+  for (int c = 0; c < NV; ++c) {
+    o[c] = vfmaq_laneq_f32(o[c], load_slice<NV, kPartial>(row, c, tail), wv, L);
+  }
+}
+
+// acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (tail: see load_slice; the lanes
+// past head_dim gain w x 0 and are never stored to o) of the rows v_j = v + j v_seq:
+// decode's P V step for one row and one slice of head_dim. w is read 4 keys per load and
+// used by lane. NV independent FMA chains.
+// w: [>= round_up4(cols)] (scratch)   acc: [4 NV] (scratch)
+template <int NV, bool kPartial>
+void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
+                       std::int64_t tail, float* acc, float alpha, Prefetch& prefetch) {
+  float32x4_t o[NV];
+#pragma GCC unroll 16
+  for (int c = 0; c < NV; ++c) o[c] = vmulq_n_f32(vld1q_f32(acc + 4 * c), alpha);
+  std::int64_t j = 0;
+  for (; j + 4 <= cols; j += 4) {
+    const float32x4_t wv = vld1q_f32(w + j);
+    const float* row = v + j * v_seq;
+    prefetch.step();
+    add_weighted_row<NV, kPartial, 0>(o, row, wv, tail);
+    prefetch.step();
+    add_weighted_row<NV, kPartial, 1>(o, row + v_seq, wv, tail);
+    prefetch.step();
+    add_weighted_row<NV, kPartial, 2>(o, row + 2 * v_seq, wv, tail);
+    prefetch.step();
+    add_weighted_row<NV, kPartial, 3>(o, row + 3 * v_seq, wv, tail);
+  }
+  if (j < cols) {  // 1-3 keys; w's lanes past cols are not used
+    const float32x4_t wv = vld1q_f32(w + j);
+    const float* row = v + j * v_seq;
+    prefetch.step();
+    add_weighted_row<NV, kPartial, 0>(o, row, wv, tail);
+    if (j + 1 < cols) {
+      prefetch.step();
+      add_weighted_row<NV, kPartial, 1>(o, row + v_seq, wv, tail);
+    }
+    if (j + 2 < cols) {
+      prefetch.step();
+      add_weighted_row<NV, kPartial, 2>(o, row + 2 * v_seq, wv, tail);
+    }
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < NV; ++c) vst1q_f32(acc + 4 * c, o[c]);
+}
+
+// Decode's arrays in the caller's workspace.
+struct DecodeScratch {
+  std::int64_t tile;    // Bd: keys per KV tile, a multiple of kDecodeKeys
+  std::int64_t ld_acc;  // head_dim rounded up to 4: an accumulator's length
+  float* acc;           // [rows][ld_acc]: O
+  float* weights;       // [Bd]: one row's logits of the tile, then its weights
+};
+
+DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
+  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+  DecodeScratch s;
+  s.tile = mha::support::decode_tile_keys(p, kDecodeKeys);
+  s.ld_acc = round_up4(p.head_dim);
+  s.acc = carve.take<float>(rows * s.ld_acc);
+  s.weights = carve.take<float>(s.tile);
+  return s;
+}
+
+// Decode's phases for one row and one tile, in the order the file's header lists them.
+
+// logits[j] = scale q . k_j for the row's `cols` keys k_j = k + j k_seq, 16 keys at a time
+// over slices of 4 kDecodeQVectors columns; returns their max (NaN logits ignored, -inf if
+// all are NaN or -inf). logits: [round_up(cols, 16)], lanes past cols hold 0 x scale.
+float row_logits(const float* q, const float* k, std::int64_t k_seq, std::int64_t cols,
+                 std::int64_t head_dim, float scale, float* logits, Prefetch& prefetch) {
+  const std::int64_t tail = head_dim % 4;
+  const float32x4_t neg_inf = vdupq_n_f32(-std::numeric_limits<float>::infinity());
+  float32x4_t mv = neg_inf;
+  for (std::int64_t j0 = 0; j0 < cols; j0 += kDecodeKeys) {
+    const std::int64_t nk = std::min(kDecodeKeys, cols - j0);
+    const float* keys = k + j0 * k_seq;
+    float32x4_t a[kDecodeKeys];
+    for (auto& x : a) x = vdupq_n_f32(0.0f);
+    for (std::int64_t d0 = 0; d0 < head_dim; d0 += 4 * kDecodeQVectors) {
+      with_slice<kDecodeQVectors>(head_dim - d0, [&](auto vectors, auto partial) {
+        dot_16_keys<decltype(vectors)::value, decltype(partial)::value>(q + d0, keys + d0, k_seq,
+                                                                        nk, tail, a);
+      });
+      prefetch.step();
+    }
+    for (int i = 0; i < kDecodeKeys; i += 4) {
+      const float32x4_t s = vmulq_n_f32(sum_lanes4(a[i], a[i + 1], a[i + 2], a[i + 3]), scale);
+      vst1q_f32(logits + j0 + i, s);
+      // `>` (FCMGT) is false for NaN, so NaN logits stay out of the max, as in
+      // online_softmax; lanes past the row's keys compare as -inf.
+      const float32x4_t x = vbslq_f32(first_lanes(i, nk), s, neg_inf);
+      mv = vbslq_f32(vcgtq_f32(x, mv), x, mv);
+    }
+  }
+  return vmaxvq_f32(mv);  // no lane of mv is NaN
+}
+
+// The online-softmax step of a row over its `cols` logits of the tile (as online_softmax,
+// but O's rescale is left to row_pv): the max m and sum l move on, the logits become the
+// weights exp(s - m) (exactly 0 for -inf logits, NaN for NaN; lanes past cols 0). Returns
+// alpha = exp(m_old - m_new), the factor for the row's O (exactly 0 when m_old is -inf).
+float row_softmax(float* logits, std::int64_t cols, float tile_max, float* m, float* l) {
+  float alpha = 1.0f;
+  if (tile_max > *m) {
+    alpha = std::exp(*m - tile_max);
+    *m = tile_max;
+  }
+  const float32x4_t base = vdupq_n_f32(mha::support::logit_shift(*m));
+  float32x4_t sum = vdupq_n_f32(0.0f);
+  for (std::int64_t j = 0; j < cols; j += 4) {
+    float32x4_t w = mha::neon::exp_nonpositive(vsubq_f32(vld1q_f32(logits + j), base));
+    w = vbslq_f32(first_lanes(j, cols), w, vdupq_n_f32(0.0f));
+    vst1q_f32(logits + j, w);
+    sum = vaddq_f32(sum, w);
+  }
+  *l = *l * alpha + vaddvq_f32(sum);
+  return alpha;
+}
+
+// O = alpha O + sum_{j < cols} w[j] v_j for one row, slices of 4 kDecodeOVectors columns.
+void row_pv(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
+            std::int64_t head_dim, float alpha, float* acc, Prefetch& prefetch) {
+  const std::int64_t tail = head_dim % 4;
+  for (std::int64_t d0 = 0; d0 < head_dim; d0 += 4 * kDecodeOVectors) {
+    with_slice<kDecodeOVectors>(head_dim - d0, [&](auto vectors, auto partial) {
+      add_weighted_rows<decltype(vectors)::value, decltype(partial)::value>(
+          w, cols, v + d0, v_seq, tail, acc + d0, alpha, prefetch);
+    });
+  }
+}
+
+// The decode path: every (batch, KV head) is one block of its g x q_len rows, all of which
+// read each KV tile while it is in L1, each over the keys it sees.
+void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+                 float* lse, mha::Workspace ws) {
+  Carve workspace(ws.data);
+  const DecodeScratch s = carve_decode(p, workspace);
+  const std::int64_t dim = p.head_dim, bd = s.tile;
+  // The step() calls of one row over a whole tile: one per 16 keys and q slice, one per key
+  // and O slice.
+  const std::int64_t row_steps =
+      bd / kDecodeKeys * mha::support::ceil_div(dim, 4 * kDecodeQVectors) +
+      bd * mha::support::ceil_div(dim, 4 * kDecodeOVectors);
+
+  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+    float m[kDecodeRows], l[kDecodeRows];
+    std::fill(m, m + block.rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + block.rows, 0.0f);
+    std::fill(s.acc, s.acc + block.rows * s.ld_acc, 0.0f);
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    const std::int64_t block_keys = block.keys(p);
+    Prefetch(k_head, p.k.seq, v_head, p.v.seq, 0, std::min(bd, block_keys), dim, 1).all();
+
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bd) {
+      const std::int64_t tile_keys = std::min(bd, block_keys - c0);
+      Prefetch next(k_head, p.k.seq, v_head, p.v.seq, c0 + bd,
+                    std::clamp(block_keys - c0 - bd, std::int64_t{0}, bd), dim,
+                    block.rows * row_steps);
+      const float* k_tile = k_head + c0 * p.k.seq;
+      const float* v_tile = v_head + c0 * p.v.seq;
+      for (std::int64_t t = 0; t < block.rows; ++t) {
+        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
+        if (cols == 0) continue;
+        const float tile_max =
+            row_logits(block.q_row(p, q, t), k_tile, p.k.seq, cols, dim, p.scale, s.weights, next);
+        const float alpha = row_softmax(s.weights, cols, tile_max, m + t, l + t);
+        row_pv(s.weights, cols, v_tile, p.v.seq, dim, alpha, s.acc + t * s.ld_acc, next);
+      }
+      next.all();
+    }
+
+    for (std::int64_t t = 0; t < block.rows; ++t) {
+      finish_row(s.acc + t * s.ld_acc, m[t], l[t], mha::visible_keys(p, block.row(t)), dim,
+                 block.o_row(p, o, t), block.lse_at(p, lse, t));
+    }
+  });
+}
+
 }  // namespace
 
 std::size_t mha_f32_attention_neon_workspace(const mha::Problem& p) {
+  if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+  // At least what the largest decode (kDecodeRows - 1 rows of this head_dim) needs: a
+  // workspace never shrinks as q_len grows, even where the path changes (at head_dim 1, 7
+  // decode rows, with their 256-key weights, need more than an 8-row prefill block).
+  mha::Problem largest_decode = p;
+  largest_decode.q_heads = p.kv_heads;
+  largest_decode.q_len = kDecodeRows - 1;
   const Tiling tiling = mha::support::flash_tiling(p);
-  return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
+  return std::max(mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+                  mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
 void mha_f32_attention_neon(const mha::Problem& p, const float* q, const float* k, const float* v,
                             float* o, float* lse, mha::Workspace ws) {
+  if (decodes(p)) {
+    decode_rows(p, q, k, v, o, lse, ws);
+    return;
+  }
   const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;
   Carve workspace(ws.data);
