@@ -150,7 +150,7 @@ Plan plan(const Problem& p) {
   plan.row_block =
       std::clamp(Plan::kUnitRows / (p.q_heads / p.kv_heads), Plan::kMinRowBlock, Plan::kRowBlock);
   plan.units = p.batch * p.kv_heads * ceil_div(p.q_len, plan.row_block);
-  if (plan.units < Plan::kMinUnits && p.kv_len >= 2 * Plan::kChunk) {
+  if (plan.units < Plan::kMinUnits && p.q_len < plan.row_block && p.kv_len >= 2 * Plan::kChunk) {
     plan.chunk = std::max(Plan::kChunk, ceil_div(ceil_div(p.kv_len, Plan::kMaxChunks), 256) * 256);
     plan.chunks = ceil_div(p.kv_len, plan.chunk);
   }

@@ -404,6 +404,13 @@ TEST(Driver, PlanDependsOnTheProblemOnly) {
   EXPECT_EQ(decode.chunk, 8192);
   const Plan short_cache = plan(make_problem(1, 1, 511, 8, 1, 128, true));
   EXPECT_EQ(short_cache.chunks, 1);  // below 2 kChunk keys: not split
+  const Plan mha = plan(make_problem(1, 1024, 1024, 4, 4, 256, false));
+  EXPECT_EQ(mha.row_block, 512);  // g = 1: kUnitRows, within kRowBlock
+  EXPECT_EQ(mha.units, 4 * 2);
+  EXPECT_EQ(mha.chunks, 1);  // few units, but whole ones: a prefill is not split
+  const Plan few_rows = plan(make_problem(1, 100, 4096, 4, 4, 64, true));
+  EXPECT_EQ(few_rows.units, 4);
+  EXPECT_EQ(few_rows.chunks, 16);  // units short of rows and a long KV: split
 }
 
 TEST(Registry, NamesAreUniqueAndNaiveComesFirst) {
