@@ -5,6 +5,7 @@
 #include <mha/attention.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
+#include <mha/support.h>
 #include <rapidcheck.h>
 
 #include <algorithm>
@@ -411,6 +412,78 @@ TEST(Driver, PlanDependsOnTheProblemOnly) {
   const Plan few_rows = plan(make_problem(1, 100, 4096, 4, 4, 64, true));
   EXPECT_EQ(few_rows.units, 4);
   EXPECT_EQ(few_rows.chunks, 16);  // units short of rows and a long KV: split
+}
+
+TEST(Caches, SizesParseAsSysfsWritesThem) {
+  using mha::support::detail::parse_cache_size;
+  EXPECT_EQ(parse_cache_size("48K"), 48 << 10);
+  EXPECT_EQ(parse_cache_size("2048K\n"), 2048 << 10);
+  EXPECT_EQ(parse_cache_size("1M"), 1 << 20);
+  EXPECT_EQ(parse_cache_size("1024M"), 1 << 30);  // the largest accepted
+  EXPECT_EQ(parse_cache_size("32768"), 32768);
+  for (const char* bad : {"", "x", "0", "0K", "-4K", "12Q", "1G", "1025M", "4K,", " 4K"}) {
+    EXPECT_EQ(parse_cache_size(bad), -1) << '"' << bad << '"';
+  }
+  EXPECT_EQ(parse_cache_size(nullptr), -1);
+}
+
+TEST(Caches, SharedCpuListsCount) {
+  using mha::support::detail::count_cpus;
+  EXPECT_EQ(count_cpus("0"), 1);
+  EXPECT_EQ(count_cpus("0-1"), 2);
+  EXPECT_EQ(count_cpus("0,64"), 2);
+  EXPECT_EQ(count_cpus("0-3,8-11"), 8);
+  for (const char* unreadable : {"", "a", "3-1", "0-", "0;1"}) {
+    EXPECT_EQ(count_cpus(unreadable), 1) << '"' << unreadable << '"';
+  }
+}
+
+TEST(Caches, EnvironmentSetsThemOrIsRejected) {
+  {
+    ScopedEnv env("MHA_CACHES", "32K,512K");
+    const mha::support::Caches c = mha::support::detail::read_caches();
+    EXPECT_EQ(c.l1d, 32 << 10);
+    EXPECT_EQ(c.l2, 512 << 10);
+  }
+  for (const char* bad : {"32K", "32K,", ",512K", "2K,512K", "64K,32K", "32K,512K,1M", "big"}) {
+    ScopedEnv env("MHA_CACHES", bad);
+    try {
+      mha::support::detail::read_caches();
+      FAIL() << "no exception for " << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("is not L1D,L2 sizes such as 32K,512K")) << bad;
+    }
+  }
+  const mha::support::Caches system = mha::support::detail::read_caches();  // sysfs or fallback
+  EXPECT_GE(system.l1d, 4 << 10);
+  EXPECT_GE(system.l2, system.l1d);
+}
+
+// Tile sizes within their documented bounds for any caches, and Br independent of kv_len:
+// a split-KV chunk must never need more workspace than its whole problem.
+RC_GTEST_PROP(Caches, TilingsStayWithinTheirBounds, ()) {
+  const std::int64_t l1d = std::int64_t{4 << 10} << *rc::gen::inRange(0, 6);
+  const mha::support::Caches c{l1d, l1d << *rc::gen::inRange(0, 8)};
+  const std::int64_t kv_heads = *rc::gen::inRange<std::int64_t>(1, 5);
+  const std::int64_t group = *rc::gen::inRange<std::int64_t>(1, 33);
+  const std::int64_t dim = *rc::gen::inRange<std::int64_t>(1, 4097);
+  const std::int64_t q_len = *rc::gen::inRange<std::int64_t>(1, 5000);
+  const std::int64_t kv_len = *rc::gen::inRange<std::int64_t>(1, 5000);
+  const Problem p = make_problem(1, q_len, kv_len, group * kv_heads, kv_heads, dim, false);
+  const mha::support::Tiling t = mha::support::flash_tiling(p, c);
+  RC_ASSERT(t.keys >= std::min<std::int64_t>(16, kv_len));
+  RC_ASSERT(t.keys <= std::min<std::int64_t>(256, kv_len));
+  RC_ASSERT(t.rows_per_head >= 1);
+  RC_ASSERT(t.rows_per_head <= std::min<std::int64_t>(64, q_len));
+  Problem longer = p;
+  longer.kv_len = *rc::gen::inRange<std::int64_t>(kv_len, 10000);
+  RC_ASSERT(mha::support::flash_tiling(longer, c).rows_per_head == t.rows_per_head);
+  for (const std::int64_t step : {8, 16}) {
+    const std::int64_t keys = mha::support::decode_tile_keys(p, step, c);
+    RC_ASSERT(keys % step == 0);
+    RC_ASSERT(keys >= step);
+    RC_ASSERT(keys <= 256);
+  }
 }
 
 TEST(Registry, NamesAreUniqueAndNaiveComesFirst) {
