@@ -110,6 +110,12 @@ constexpr int kPanel = 16;                    // keys per K panel = columns per 
 constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, the S buffer's row stride
 constexpr std::int64_t kBlockFloats = 32768;  // R x D16 at most this (128 KiB): see the header
 
+// scale log2(e), rounded once: the logits' base change (the tolerance's rounded log2(e)
+// constant).
+float logit_scale_of(const mha::Problem& p) {
+  return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
+}
+
 // Lanes [0, n) of a ymm (none for n <= 0, all for n >= 8), as a maskload/maskstore mask.
 __m256i first_lanes(std::int64_t n) {
   const int c = static_cast<int>(std::clamp<std::int64_t>(n, 0, 8));
@@ -649,109 +655,97 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
 // allocation.
 void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
                  float* lse, mha::Workspace ws) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = group * p.q_len;  // < kDecodeRows
+  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
   Carve workspace(ws.data);
   const DecodeScratch s = carve_decode(p, workspace);
   const std::int64_t tile_keys = s.tile_keys;
-  // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
-  const __m256 logit_scale =
-      _mm256_set1_ps(static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e));
+  const __m256 logit_scale = _mm256_set1_ps(logit_scale_of(p));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Prefetch steps per tile: one per 8 keys of every row's S.
   const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, kDotKeys);
 
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      // Row t: query head kv_head g + t / q_len, query row t % q_len.
-      const auto q_row = [&](std::int64_t t) {
-        return q + b * p.q.batch + (t % p.q_len) * p.q.seq +
-               (kv_head * group + t / p.q_len) * p.q.head;
-      };
-      float ms[kDecodeRows], ls[kDecodeRows];
-      std::fill(ms, ms + rows, neg_inf);
-      std::fill(ls, ls + rows, 0.0f);
-      std::fill(s.acc, s.acc + rows * s.d8, 0.0f);
-      const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
-      // The first tile, before it is needed.
-      prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
+  // One block per (batch, KV head): all its g x q_len rows (block row t: query head
+  // head0 + t / q_len, query row t % q_len).
+  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    float ms[kDecodeRows], ls[kDecodeRows];
+    std::fill(ms, ms + rows, neg_inf);
+    std::fill(ls, ls + rows, 0.0f);
+    std::fill(s.acc, s.acc + rows * s.d8, 0.0f);
+    const std::int64_t block_keys = block.keys(p);
+    // The first tile, before it is needed.
+    prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
 
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
-        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
-        const std::int64_t next =
-            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
-        const float* k_tile = k_head + c0 * p.k.seq;
-        const float* v_tile = v_head + c0 * p.v.seq;
-        // The next tile's rows, rows_per_step at each step. One counter, not pointers
-        // and a count: the S loop has no register to spare (with three more loop-carried
-        // values it ran 27 ns per row and key here instead of 21).
-        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
-        std::int64_t step = 0;
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t cols =
-              std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, keys);
-          if (cols == 0) continue;
-          const float* qr = q_row(t);
-          // Base-2 logits of the row's `cols` keys, 8 at a time: key i's dot product in
-          // a[i], over slices of 32 columns of head_dim whose q part stays in registers.
-          __m256 mv = _mm256_set1_ps(neg_inf);
-          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-            const std::int64_t nk = std::min(kDotKeys, cols - j0);
-            const float* key0 = k_tile + j0 * p.k.seq;
-            __m256 dots;
-            mha::support::with_count<kDotKeys>(nk, [&](auto count) {
-              dots = dot_keys<decltype(count)::value>(qr, key0, p.k.seq, dim);
-            });
-            const std::int64_t first = step++ * rows_per_step;
-            if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
-              prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
-                            v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
-            }
-            const __m256 x = _mm256_mul_ps(dots, logit_scale);
-            _mm256_storeu_ps(s.weights + j0, x);
-            // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
-            mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+      const std::int64_t keys = std::min(tile_keys, block_keys - c0);
+      const std::int64_t next = std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
+      const float* k_tile = k_head + c0 * p.k.seq;
+      const float* v_tile = v_head + c0 * p.v.seq;
+      // The next tile's rows, rows_per_step at each step. One counter, not pointers
+      // and a count: the S loop has no register to spare (with three more loop-carried
+      // values it ran 27 ns per row and key here instead of 21).
+      const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
+      std::int64_t step = 0;
+      for (std::int64_t t = 0; t < rows; ++t) {
+        const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+        if (cols == 0) continue;
+        const float* qr = block.q_row(p, q, t);
+        // Base-2 logits of the row's `cols` keys, 8 at a time: key i's dot product in
+        // a[i], over slices of 32 columns of head_dim whose q part stays in registers.
+        __m256 mv = _mm256_set1_ps(neg_inf);
+        for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+          const std::int64_t nk = std::min(kDotKeys, cols - j0);
+          const float* key0 = k_tile + j0 * p.k.seq;
+          __m256 dots;
+          mha::support::with_count<kDotKeys>(nk, [&](auto count) {
+            dots = dot_keys<decltype(count)::value>(qr, key0, p.k.seq, dim);
+          });
+          const std::int64_t first = step++ * rows_per_step;
+          if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
+            prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
+                          v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
           }
-          const float tile_max = horizontal_max(mv);  // no lane of mv is NaN
-          float alpha = 1.0f;
-          if (tile_max > ms[t]) {
-            alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
-            ms[t] = tile_max;
-          }
-          const __m256 base = _mm256_set1_ps(mha::support::logit_shift(ms[t]));
-          __m256 sum = _mm256_setzero_ps();
-          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-            const __m256 w = _mm256_and_ps(
-                mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s.weights + j0), base)),
-                _mm256_castsi256_ps(first_lanes(cols - j0)));
-            _mm256_storeu_ps(s.weights + j0, w);
-            sum = _mm256_add_ps(sum, w);
-          }
-          ls[t] = ls[t] * alpha + horizontal_sum(sum);
-          // O = alpha O + P V over the row's keys, 64 columns of head_dim at a time.
-          float* acc = s.acc + t * s.d8;
-          for (std::int64_t d0 = 0; d0 < dim; d0 += kPvColumns) {
-            const std::int64_t n = std::min(kPvColumns, dim - d0);
-            mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
-              constexpr int kVectors = decltype(vectors)::value;
-              add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
-                                          n - 8 * (kVectors - 1), acc + d0, alpha);
-            });
-          }
+          const __m256 x = _mm256_mul_ps(dots, logit_scale);
+          _mm256_storeu_ps(s.weights + j0, x);
+          // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
+          mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
+        }
+        const float tile_max = horizontal_max(mv);  // no lane of mv is NaN
+        float alpha = 1.0f;
+        if (tile_max > ms[t]) {
+          alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
+          ms[t] = tile_max;
+        }
+        const __m256 base = _mm256_set1_ps(mha::support::logit_shift(ms[t]));
+        __m256 sum = _mm256_setzero_ps();
+        for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+          const __m256 w = _mm256_and_ps(
+              mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s.weights + j0), base)),
+              _mm256_castsi256_ps(first_lanes(cols - j0)));
+          _mm256_storeu_ps(s.weights + j0, w);
+          sum = _mm256_add_ps(sum, w);
+        }
+        ls[t] = ls[t] * alpha + horizontal_sum(sum);
+        // O = alpha O + P V over the row's keys, 64 columns of head_dim at a time.
+        float* acc = s.acc + t * s.d8;
+        for (std::int64_t d0 = 0; d0 < dim; d0 += kPvColumns) {
+          const std::int64_t n = std::min(kPvColumns, dim - d0);
+          mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
+            constexpr int kVectors = decltype(vectors)::value;
+            add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
+                                        n - 8 * (kVectors - 1), acc + d0, alpha);
+          });
         }
       }
-
-      for (std::int64_t t = 0; t < rows; ++t) {
-        const std::int64_t row = t % p.q_len, head = kv_head * group + t / p.q_len;
-        float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
-        float* lse_row = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
-        finish_row(s.acc + t * s.d8, ms[t], ls[t], mha::visible_keys(p, row), dim, o_row, lse_row);
-      }
     }
-  }
+
+    for (std::int64_t t = 0; t < rows; ++t) {
+      finish_row(s.acc + t * s.d8, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
+                 block.o_row(p, o, t), block.lse_at(p, lse, t));
+    }
+  });
 }
 
 }  // namespace
@@ -773,8 +767,7 @@ void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* 
     return;
   }
   const std::int64_t dim = p.head_dim;
-  // log2(e) scale rounded once: the tolerance's rounded log2(e) constant.
-  const float c = static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
+  const float c = logit_scale_of(p);
   Carve workspace(ws.data);
   const Scratch s = carve(p, workspace);
 

@@ -551,8 +551,8 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   float* const acc_rows = scratch.acc;
   float* const weights = scratch.weights;
   const __m512 logit_scale = logit_scale_of(p);
-  const std::int64_t kDecodeKeys = scratch.tile_keys;
-  const std::int64_t steps = rows * (kDecodeKeys / 16 * ((dim + 127) / 128) + kDecodeKeys);
+  const std::int64_t decode_keys = scratch.tile_keys;
+  const std::int64_t steps = rows * (decode_keys / 16 * ((dim + 127) / 128) + decode_keys);
   const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
   for (std::int64_t b = 0; b < p.batch; ++b) {
@@ -569,13 +569,13 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
       std::fill(ls, ls + rows, 0.0f);
       std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
       const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
-      Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(kDecodeKeys, block_keys), dim, 1).all();
+      Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(decode_keys, block_keys), dim, 1).all();
 
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kDecodeKeys) {
-        const std::int64_t tile_keys = std::min(kDecodeKeys, block_keys - c0);
-        Prefetch next(k_head + (c0 + kDecodeKeys) * p.k.seq, p.k.seq,
-                      v_head + (c0 + kDecodeKeys) * p.v.seq, p.v.seq,
-                      std::clamp(block_keys - c0 - kDecodeKeys, std::int64_t{0}, kDecodeKeys), dim,
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
+        const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
+        Prefetch next(k_head + (c0 + decode_keys) * p.k.seq, p.k.seq,
+                      v_head + (c0 + decode_keys) * p.v.seq, p.v.seq,
+                      std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys), dim,
                       steps);
         const float* k_tile = k_head + c0 * k_seq;
         const float* v_tile = v_head + c0 * v_seq;
