@@ -341,16 +341,20 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   const int all = s.threads > 1 ? 1 : 0;
   const double gflops = flops(p) / 1e9 * per_second;
   state.counters["GFLOPS"] = gflops;
-  // Faster than the probe's peak from the start of the run: another process held a core
-  // while the probe ran, or the probe is wrong. Measured again now, after the timed loop;
-  // the reporter turns a fraction still above 1 into an error. The same for the L2 and
-  // DRAM figures below.
+  const int threads = all ? probe.cores : 1;
+  // The probe's `figure`, or, when `value` exceeds it, the higher of it and the same figure
+  // measured now, after the timed loop (kept as counter `now`): another process held a
+  // core while the probe ran, memory bandwidth drifted (by 10% over minutes on a shared
+  // VM), or the probe is wrong. The reporter turns a fraction still above 1 into an error.
+  const auto limit_of = [&](double value, double figure, const char* now, auto measure) {
+    if (value <= figure) return figure;
+    figure = std::max(figure, measure());
+    state.counters[now] = figure;
+    return figure;
+  };
   const FmaPeak& fma = probe.fma_peak(isa);
-  double peak = fma.gflops[all];
-  if (gflops > peak) {
-    peak = std::max(peak, measure_fma_gflops(fma.isa, all ? probe.cores : 1));
-    state.counters["peak_gflops_now"] = peak;
-  }
+  const double peak = limit_of(gflops, fma.gflops[all], "peak_gflops_now",
+                               [&] { return measure_fma_gflops(fma.isa, threads); });
   state.counters["peak_frac"] = gflops / peak;
   if (!s.decode()) return;
   const std::int64_t bytes = kv_bytes(p);
@@ -361,20 +365,14 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   switch (probe.level_of(bytes)) {
     case Level::dram:
       // Measured by the probe (main measures DRAM whenever may_read_dram says a benchmark
-      // may need it). The memory bandwidth also drifts, by 10% over minutes on a shared VM.
-      limit = probe.dram_gbps[all];
-      if (gbps > limit) {
-        limit = std::max(limit, measure_dram_gbps(probe.caches, all ? probe.cores : 1));
-        state.counters["dram_gbps_now"] = limit;
-      }
+      // may need it).
+      limit = limit_of(gbps, probe.dram_gbps[all], "dram_gbps_now",
+                       [&] { return measure_dram_gbps(probe.caches, threads); });
       state.SetLabel("bw:dram");
       break;
     case Level::l2:
-      limit = probe.l2_gbps[all];
-      if (gbps > limit) {
-        limit = std::max(limit, measure_l2_gbps(probe.caches, all ? probe.cores : 1));
-        state.counters["l2_gbps_now"] = limit;
-      }
+      limit = limit_of(gbps, probe.l2_gbps[all], "l2_gbps_now",
+                       [&] { return measure_l2_gbps(probe.caches, threads); });
       state.SetLabel("bw:l2");
       break;
     case Level::between:
