@@ -33,8 +33,8 @@
 // softmax of a row is a lane of a vector: the max and the sum over keys are vertical
 // (VMAXPS, VADDPS per key), with no horizontal reductions and no scalar exp; per 16 logits
 // it costs 11 vector instructions (max, subtraction, 2^x in 8, sum) against 2 D FMAs of the
-// two products (4% at D = 128, 8% at D = 64; measured 3.5-6.5% and 9.5-12.5% of the
-// kernel's time, on the same two ports as the FMAs).
+// two products (4% at D = 128, 8% at D = 64, 34% at D = 16; measured inside the kernel,
+// timed by phase: 4.3%, 7% and 22% of its time, on the same two ports as the FMAs).
 //
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so
@@ -313,47 +313,85 @@ void pv_tile(const float* pt, std::int64_t ld, std::int64_t j0, std::int64_t key
   }
 }
 
-// The online-softmax step of 16 query rows (one lane each) over `keys` keys of this tile:
-// st[j] holds the 16 rows' base-2 logits of key j and becomes their weights
-// 2^(logit - m); m, l and alpha (the factor 2^(m_old - m_new) P V applies to O^T) are
-// the rows' running max, sum and rescale factor. kMasked: lane r sees only keys j < cols[r];
-// other lanes get weight 0 and stay out of the max and the sum.
-template <bool kMasked>
-void online_softmax(float* st, std::int64_t ld, std::int64_t keys, __m512i cols, float* m, float* l,
-                    float* alpha) {
+// chains[n][c] = step(n, j, chains[n][c]) for every key j < keys of each of NV vectors,
+// key j in chain j mod kChains (the tail in chain 0); chains start at `init`. Fully
+// unrolled over the chains and vectors, so that they stay in registers.
+constexpr int kChains = 4;
+template <int NV, typename Step>
+void fold_keys(std::int64_t keys, __m512 init, __m512 (&chains)[NV][kChains], Step step) {
+#pragma GCC unroll 2
+  for (int n = 0; n < NV; ++n) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kChains; ++c) chains[n][c] = init;
+  }
+  std::int64_t j = 0;
+  for (; j + kChains <= keys; j += kChains) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kChains; ++c) {
+#pragma GCC unroll 2
+      for (int n = 0; n < NV; ++n) chains[n][c] = step(n, j + c, chains[n][c]);
+    }
+  }
+  for (; j < keys; ++j) {
+#pragma GCC unroll 2
+    for (int n = 0; n < NV; ++n) chains[n][0] = step(n, j, chains[n][0]);
+  }
+}
+
+// The online-softmax step of 16 NV query rows (one lane each) over `keys` keys of this
+// tile: st[j][0 .. 16 NV) holds the rows' base-2 logits of key j and becomes their weights
+// 2^(logit - m); m, l and alpha (the factor 2^(m_old - m_new) P V applies to O^T) are the
+// rows' running max, sum and rescale factor. kMasked: lane r of vector n sees only keys
+// j < cols[n][r]; other lanes get weight 0 and stay out of the max and the sum.
+//
+// Both vectors of a strip in one pass, four running maxima and sums per vector (keys j mod
+// 4), in registers. The max pass is short (a load and a VMAXPS per key) but its result
+// gates every weight, so its chains are the latency between the S product and the 2^x: one
+// vector at a time, with four chains, the softmax took 1.7x its in-L1 time inside the
+// kernel at D = 16. (Indexed as an array, j % 4, GCC 12 kept the chains in memory: a
+// store-to-load forwarding per key, 8.5 cycles per 16 logits where the 2^x needs 5.)
+template <bool kMasked, int NV>
+void online_softmax(float* st, std::int64_t ld, std::int64_t keys, const __m512i* cols, float* m,
+                    float* l, float* alpha) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // VMAXPS returns its second source when either is NaN: max(x, mv) skips NaN logits (as
-  // blocked does), so m never becomes NaN; their weights are NaN and reach l and O. Four
-  // running maxima and sums (keys j mod 4): one chain of 4-cycle VMAXPS or VADDPS per key
-  // took longer than the loads and the 2^x.
-  __m512 mv[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const __m512 x = _mm512_load_ps(st + j * ld);
-    __m512& a = mv[j % 4];
-    a = kMasked ? _mm512_mask_max_ps(a, sees(cols, j), x, a) : _mm512_max_ps(x, a);
-  }
-  const __m512 m_old = _mm512_load_ps(m);
-  const __m512 m_new =
-      _mm512_max_ps(_mm512_max_ps(_mm512_max_ps(mv[0], mv[1]), _mm512_max_ps(mv[2], mv[3])), m_old);
+  // blocked does), so m never becomes NaN; their weights are NaN and reach l and O.
+  const auto max_at = [&](int n, std::int64_t key, __m512 a) {
+    const __m512 x = _mm512_load_ps(st + key * ld + 16 * n);
+    return kMasked ? _mm512_mask_max_ps(a, sees(cols[n], key), x, a) : _mm512_max_ps(x, a);
+  };
+  __m512 mv[NV][kChains];
+  fold_keys(keys, neg_inf, mv, max_at);
   // Logits relative to 0 while a row's max is -inf (no finite logit yet): see
   // mha::support::logit_shift. alpha is 2^-inf = 0 when m_old is -inf, 1 when the max did not grow.
-  const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
-                                           _mm512_setzero_ps());
-  const __m512 a = mha::avx512::exp2_nonpositive(_mm512_sub_ps(m_old, base));
-  __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                    _mm512_setzero_ps()};
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const __m512 x = _mm512_sub_ps(_mm512_load_ps(st + j * ld), base);
-    const __m512 w = kMasked ? _mm512_maskz_mov_ps(sees(cols, j), mha::avx512::exp2_nonpositive(x))
-                             : mha::avx512::exp2_nonpositive(x);
-    _mm512_store_ps(st + j * ld, w);
-    sums[j % 4] = _mm512_add_ps(sums[j % 4], w);
+  __m512 base[NV];
+#pragma GCC unroll 2
+  for (int n = 0; n < NV; ++n) {
+    const __m512 m_old = _mm512_load_ps(m + 16 * n);
+    const __m512 m_new = _mm512_max_ps(
+        _mm512_max_ps(_mm512_max_ps(mv[n][0], mv[n][1]), _mm512_max_ps(mv[n][2], mv[n][3])), m_old);
+    base[n] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
+                                   _mm512_setzero_ps());
+    _mm512_store_ps(m + 16 * n, m_new);
+    _mm512_store_ps(alpha + 16 * n, mha::avx512::exp2_nonpositive(_mm512_sub_ps(m_old, base[n])));
   }
-  const __m512 sum =
-      _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
-  _mm512_store_ps(m, m_new);
-  _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), a, sum));
-  _mm512_store_ps(alpha, a);
+  // The weight of key j, stored over its logit, added to sum.
+  const auto weigh = [&](int n, std::int64_t key, __m512 sum) {
+    const __m512 x = _mm512_sub_ps(_mm512_load_ps(st + key * ld + 16 * n), base[n]);
+    const __m512 e = mha::avx512::exp2_nonpositive(x);
+    const __m512 w = kMasked ? _mm512_maskz_mov_ps(sees(cols[n], key), e) : e;
+    _mm512_store_ps(st + key * ld + 16 * n, w);
+    return _mm512_add_ps(sum, w);
+  };
+  __m512 sums[NV][kChains];
+  fold_keys(keys, _mm512_setzero_ps(), sums, weigh);
+#pragma GCC unroll 2
+  for (int n = 0; n < NV; ++n) {
+    const __m512 sum =
+        _mm512_add_ps(_mm512_add_ps(sums[n][0], sums[n][1]), _mm512_add_ps(sums[n][2], sums[n][3]));
+    _mm512_store_ps(l + 16 * n, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * n),
+                                                _mm512_load_ps(alpha + 16 * n), sum));
+  }
 }
 
 // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
@@ -740,20 +778,29 @@ void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, _
   }
 }
 
-// The online softmax, 16 rows at a time; masks only where a row sees part of the keys (the
-// causal diagonal and the zero padding).
+// The online softmax of the strip's rows; masks only where a row sees part of the keys
+// (the causal diagonal and the zero padding).
 void strip_softmax(const Block& block, const Strip& strip, const Scratch& s) {
-  for (std::int64_t r = strip.s0; r < strip.s0 + strip.rows; r += 16) {
-    const __m512i c = _mm512_loadu_si512(s.cols + r);
-    const bool whole =
-        _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(strip.most)), c) == 0 &&
-        r + 16 <= block.rows;
-    float* st = s.st + (r - strip.s0);
+  __m512i c[2];
+  bool whole = strip.s0 + strip.rows <= block.rows;
+  for (int n = 0; n < strip.rows / 16; ++n) {
+    c[n] = _mm512_loadu_si512(s.cols + strip.s0 + 16 * n);
+    whole = whole &&
+            _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(strip.most)), c[n]) == 0;
+  }
+  float* const m = s.m + strip.s0;
+  float* const l = s.l + strip.s0;
+  float* const alpha = s.alpha + strip.s0;
+  if (strip.rows == 32) {
     if (whole) {
-      online_softmax<false>(st, kStrip, strip.most, c, s.m + r, s.l + r, s.alpha + r);
+      online_softmax<false, 2>(s.st, kStrip, strip.most, c, m, l, alpha);
     } else {
-      online_softmax<true>(st, kStrip, strip.most, c, s.m + r, s.l + r, s.alpha + r);
+      online_softmax<true, 2>(s.st, kStrip, strip.most, c, m, l, alpha);
     }
+  } else if (whole) {
+    online_softmax<false, 1>(s.st, kStrip, strip.most, c, m, l, alpha);
+  } else {
+    online_softmax<true, 1>(s.st, kStrip, strip.most, c, m, l, alpha);
   }
 }
 
