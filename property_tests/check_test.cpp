@@ -182,13 +182,33 @@ TEST(Check, NeverMisbehavesOnArbitraryFields) {
   });
 }
 
+// The tensors of valid(), in one allocation, in the order q, k, v, o, lse, each followed by
+// a gap as long as the longest of them: a pointer a few elements into one tensor then
+// overlaps that tensor and no other, whatever the heap does (as separate vectors, v + 3
+// overlapped q too whenever the allocator had placed q right after v).
 struct Buffers {
+  struct Tensor {
+    float* at;
+    std::size_t size;
+    float* data() const { return at; }
+    float* begin() const { return at; }
+    float* end() const { return at + size; }
+  };
   Problem p = valid();
-  std::vector<float> q = std::vector<float>(static_cast<std::size_t>(q_extent(p)), 0.5f);
-  std::vector<float> k = std::vector<float>(static_cast<std::size_t>(k_extent(p)), 0.25f);
-  std::vector<float> v = std::vector<float>(static_cast<std::size_t>(v_extent(p)), 1.0f);
-  std::vector<float> o = std::vector<float>(static_cast<std::size_t>(o_extent(p)), 0.0f);
-  std::vector<float> lse = std::vector<float>(static_cast<std::size_t>(lse_extent(p)), 0.0f);
+  std::size_t gap = static_cast<std::size_t>(
+      std::max({q_extent(p), k_extent(p), v_extent(p), o_extent(p), lse_extent(p)}));
+  std::vector<float> storage = std::vector<float>(10 * gap, 0.0f);
+  Tensor q = place(0, q_extent(p), 0.5f);
+  Tensor k = place(1, k_extent(p), 0.25f);
+  Tensor v = place(2, v_extent(p), 1.0f);
+  Tensor o = place(3, o_extent(p), 0.0f);
+  Tensor lse = place(4, lse_extent(p), 0.0f);
+
+  Tensor place(std::size_t index, std::int64_t extent, float value) {
+    const Tensor t{storage.data() + 2 * index * gap, static_cast<std::size_t>(extent)};
+    std::fill(t.begin(), t.end(), value);
+    return t;
+  }
 };
 
 TEST(EntryPoint, RunsTheBestKernel) {
