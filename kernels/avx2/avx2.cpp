@@ -52,10 +52,11 @@
 // R divides that traffic, and the block's working set, Qp, S and O (R x (D + Bc + D16)
 // floats, D16 = D rounded up to 16) with Kp and Vp (2 Bc D16), is kept within half of L2,
 // which the panels and the streamed rows share: R = 85 at D = 128 with a 512 KiB L2 (Zen
-// 2-4, 256 KiB), and at most the R x D16 = 128 KiB measured best with 2 MiB (R = 256 at
-// D = 128, g = 4: Br = 64; going from R = 128 to 256 made the D = 128 prefill about 4%
-// faster there; larger R was not measured). Packing a tile (transposes, about 10^4
-// instructions) is spread over R rows.
+// 2-4, 256 KiB), R = 256 with 1 MiB (Zen 4), and at most R x D16 = 256 KiB with 2 MiB
+// (R = 512 at D = 128, g = 4: Br = 128; Xeon, 2 MiB L2: from R = 128 to 256 the D = 128
+// prefill ran about 4% faster, from 256 to 512 3-8% faster at L = 2048 and level at
+// L = 512, the packing's share of the time 3.5% -> 2.1%; 1024 no faster). Packing a tile
+// (transposes, about 10^4 instructions) is spread over R rows.
 //
 // Prefetch: packing reads K and V rows one page apart, which the hardware prefetchers do
 // not follow, so every row would start with a cache miss. While S runs, the tile's V rows
@@ -82,10 +83,11 @@
 //
 // Workspace (the caller's; mha_f32_attention_avx2_workspace gives its size), in floats:
 // Bc D (Kp) + Bc D16 (Vp) + R6 D (Qp, R6 = R rounded up to 6) + R Bc (S) + R D16 (O) +
-// 8 R (row maxima) + 3 R, and R int64 counts: about 530 KiB at D = 128, g = 4 with a 2 MiB
-// L2, 258 KiB with 512 KiB. Kp and Vp grow with D (2 MiB each at D = 4096). Decode needs
-// g x q_len x D8 floats (D8 = D rounded up to 8) and a tile's weights; a prefill workspace
-// is at least the largest decode's, so that the size never shrinks as q_len grows.
+// 8 R (row maxima) + 3 R, and R int64 counts: about 924 KiB at D = 128, g = 4 with a 2 MiB
+// L2, 526 KiB with 1 MiB, 258 KiB with 512 KiB. Kp and Vp grow with D (2 MiB each at
+// D = 4096). Decode needs g x q_len x D8 floats (D8 = D rounded up to 8) and a tile's
+// weights; a prefill workspace is at least the largest decode's, so that the size never
+// shrinks as q_len grows.
 //
 // Depends on mha/attention.h, mha/support.h and avx2_exp.h (this folder) only.
 #include "avx2_exp.h"
@@ -108,7 +110,7 @@ using mha::support::round_up;
 constexpr int kRows = 6;                      // MR: query rows per microkernel group
 constexpr int kPanel = 16;                    // keys per K panel = columns per V panel (2 ymm)
 constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, the S buffer's row stride
-constexpr std::int64_t kBlockFloats = 32768;  // R x D16 at most this (128 KiB): see the header
+constexpr std::int64_t kBlockFloats = 65536;  // R x D16 at most this (256 KiB): see the header
 
 // scale log2(e), rounded once: the logits' base change (the tolerance's rounded log2(e)
 // constant).
