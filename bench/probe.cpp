@@ -48,7 +48,9 @@ float scalar_read(const float* p, std::int64_t n, std::int64_t passes) {
 
 }  // namespace
 
-ProbeKernels probe_kernels_scalar() { return {"scalar", &scalar_fma, &scalar_read, nullptr}; }
+ProbeKernels probe_kernels_scalar() {
+  return {"scalar", &scalar_fma, &scalar_read, nullptr, nullptr};
+}
 
 namespace {
 
@@ -119,11 +121,16 @@ double best_rate(int threads, int repeats, Work work) {
   return best;
 }
 
+// How a bandwidth probe reads its buffer (see ProbeKernels).
+enum class ReadMode { plain, ahead, two_ahead };
+
 // Read bandwidth in GB/s for `bytes_per_thread` per thread, each thread its own buffer,
 // with the number of passes chosen so that a run reads about `target` bytes per thread.
 double read_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thread,
-                 std::int64_t target, bool ahead = false) {
-  const auto read = ahead && k.read_ahead != nullptr ? k.read_ahead : k.read;
+                 std::int64_t target, ReadMode mode = ReadMode::plain) {
+  auto read = k.read;
+  if (mode == ReadMode::ahead && k.read_ahead != nullptr) read = k.read_ahead;
+  if (mode == ReadMode::two_ahead && k.read_two_ahead != nullptr) read = k.read_two_ahead;
   const std::int64_t floats = std::max<std::int64_t>(256, bytes_per_thread / 4 / 256 * 256);
   std::vector<Buffer> buffers;
   for (int t = 0; t < threads; ++t) buffers.push_back(make_buffer(floats));
@@ -139,11 +146,12 @@ double read_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thre
   return rate / 1e9;
 }
 
-// Beyond L2: the better of plain reads and reads that prefetch ahead (see ProbeKernels).
+// Beyond L2: the best of plain reads, reads that prefetch ahead, and two such streams.
 double stream_gbps(const ProbeKernels& k, int threads, std::int64_t bytes_per_thread,
                    std::int64_t target) {
-  return std::max(read_gbps(k, threads, bytes_per_thread, target),
-                  read_gbps(k, threads, bytes_per_thread, target, true));
+  return std::max({read_gbps(k, threads, bytes_per_thread, target),
+                   read_gbps(k, threads, bytes_per_thread, target, ReadMode::ahead),
+                   read_gbps(k, threads, bytes_per_thread, target, ReadMode::two_ahead)});
 }
 
 // 4x the last-level cache, shared among the threads; at least 256 MiB.

@@ -32,17 +32,22 @@ double fma(std::int64_t iters) {
   return static_cast<double>(iters) * 12 * 16 * 2;
 }
 
-template <bool kAhead>
+// kStreams streams in step, one per 1 / kStreams of p (decode reads K and V so).
+template <bool kAhead, int kStreams>
 float read_loop(const float* p, std::int64_t n, std::int64_t passes) {
   __m512 s[8];
   for (auto& v : s) v = _mm512_setzero_ps();
+  const std::int64_t length = n / kStreams;
   for (std::int64_t r = 0; r < passes; ++r) {
-    for (std::int64_t i = 0; i < n; i += 128) {
-      if (kAhead && i + 1024 + 64 < n) {  // two lines 4 KiB ahead per 512 bytes
-        __builtin_prefetch(p + i + 1024);
-        __builtin_prefetch(p + i + 1024 + 64);
+    for (std::int64_t i = 0; i < length; i += 128) {
+      for (int stream = 0; stream < kStreams; ++stream) {
+        const float* x = p + stream * length + i;
+        if (kAhead && i + 1024 + 64 < length) {  // two lines 4 KiB ahead per 512 bytes
+          __builtin_prefetch(x + 1024);
+          __builtin_prefetch(x + 1024 + 64);
+        }
+        for (int k = 0; k < 8; ++k) s[k] = _mm512_add_ps(s[k], _mm512_load_ps(x + 16 * k));
       }
-      for (int k = 0; k < 8; ++k) s[k] = _mm512_add_ps(s[k], _mm512_load_ps(p + i + 16 * k));
     }
   }
   for (int k = 1; k < 8; ++k) s[0] = _mm512_add_ps(s[0], s[k]);
@@ -50,14 +55,19 @@ float read_loop(const float* p, std::int64_t n, std::int64_t passes) {
 }
 
 float read(const float* p, std::int64_t n, std::int64_t passes) {
-  return read_loop<false>(p, n, passes);
+  return read_loop<false, 1>(p, n, passes);
 }
 float read_ahead(const float* p, std::int64_t n, std::int64_t passes) {
-  return read_loop<true>(p, n, passes);
+  return read_loop<true, 1>(p, n, passes);
+}
+float read_two_ahead(const float* p, std::int64_t n, std::int64_t passes) {
+  return read_loop<true, 2>(p, n, passes);
 }
 
 }  // namespace
 
-ProbeKernels probe_kernels_avx512() { return {"avx512", &fma, &read, &read_ahead}; }
+ProbeKernels probe_kernels_avx512() {
+  return {"avx512", &fma, &read, &read_ahead, &read_two_ahead};
+}
 
 }  // namespace mha::bench

@@ -16,6 +16,10 @@ struct ProbeKernels {
   /// The same with software prefetch a few KiB ahead (null: none), for DRAM: streaming
   /// kernels prefetch too, and a plain read measured 7-9% below what memory delivers here.
   float (*read_ahead)(const float* p, std::int64_t n, std::int64_t passes);
+  /// The same as two streams in step over the two halves of p (null: none), as decode reads K
+  /// and V: some memory systems deliver more to two streams than to one (a decode read 1%
+  /// faster than the one stream did, which made its bw_frac exceed 1).
+  float (*read_two_ahead)(const float* p, std::int64_t n, std::int64_t passes);
 };
 
 ProbeKernels probe_kernels_scalar();
