@@ -580,9 +580,8 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
 
 void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
                  float* lse, mha::Workspace ws) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = group * p.q_len;  // < 16
+  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < 16
   const std::int64_t d16 = round_up(dim, 16);
   Carve workspace(ws.data);
   const DecodeScratch scratch = carve_decode(p, workspace);
@@ -593,98 +592,88 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   const std::int64_t steps = rows * (decode_keys / 16 * ((dim + 127) / 128) + decode_keys);
   const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
-      // Row t: query head kv_head g + t / q_len, query row t % q_len.
-      const auto q_row = [&](std::int64_t t) {
-        return q + b * p.q.batch + (t % p.q_len) * p.q.seq +
-               (kv_head * group + t / p.q_len) * p.q.head;
-      };
-      float ms[16], ls[16];
-      std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
-      std::fill(ls, ls + rows, 0.0f);
-      std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
-      const std::int64_t block_keys = mha::visible_keys(p, p.q_len - 1);
-      Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(decode_keys, block_keys), dim, 1).all();
+  // One block per (batch, KV head): all its g x q_len rows (block row t: query head
+  // head0 + t / q_len, query row t % q_len).
+  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+    const float* k_head = block.k_head(p, k);
+    const float* v_head = block.v_head(p, v);
+    float ms[16], ls[16];
+    std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
+    std::fill(ls, ls + rows, 0.0f);
+    std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
+    const std::int64_t block_keys = block.keys(p);
+    Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(decode_keys, block_keys), dim, 1).all();
 
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
-        const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
-        Prefetch next(k_head + (c0 + decode_keys) * p.k.seq, p.k.seq,
-                      v_head + (c0 + decode_keys) * p.v.seq, p.v.seq,
-                      std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys), dim,
-                      steps);
-        const float* k_tile = k_head + c0 * k_seq;
-        const float* v_tile = v_head + c0 * v_seq;
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t cols =
-              std::clamp(mha::visible_keys(p, t % p.q_len) - c0, std::int64_t{0}, tile_keys);
-          if (cols == 0) continue;
-          const float* qr = q_row(t);
-          // Base-2 logits of the row's `cols` keys, 16 at a time: key i's dot product in
-          // a[i], over slices of 128 columns of head_dim whose q part stays in registers.
-          __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-            const float* keys = k_tile + j0 * k_seq;
-            __m512 a[16];
-            for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-            for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
-              with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-                dot_16_keys<decltype(vectors)::value>(
-                    qr + d0, keys + d0, k_seq, nk,
-                    first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
-              });
-              next.step();
-            }
-            const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
-            _mm512_storeu_ps(weights + j0, s);
-            // VMAXPS returns its second source when either is NaN: NaN logits stay out.
-            mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
-          }
-          // alpha by the vector 2^x (its error cancels: O and l get the same factor).
-          const float tile_max = lanes_max(mv);  // no lane of mv is NaN
-          float alpha = 1.0f;
-          if (tile_max > ms[t]) {
-            // 0 when the old max is -inf.
-            alpha =
-                _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
-            ms[t] = tile_max;
-          }
-          const __m512 base = _mm512_set1_ps(mha::support::logit_shift(ms[t]));
-          __m512 sum = _mm512_setzero_ps();
-          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-            const __m512 w = _mm512_maskz_mov_ps(
-                first_lanes(nk),
-                mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights + j0), base)));
-            _mm512_storeu_ps(weights + j0, w);
-            sum = _mm512_add_ps(sum, w);
-          }
-          ls[t] = ls[t] * alpha + lanes_sum(sum);
-          // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
-          float* acc = acc_rows + t * d16;
-          const __m512 av = _mm512_set1_ps(alpha);
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
+      const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
+      Prefetch next(k_head + (c0 + decode_keys) * p.k.seq, p.k.seq,
+                    v_head + (c0 + decode_keys) * p.v.seq, p.v.seq,
+                    std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys), dim,
+                    steps);
+      const float* k_tile = k_head + c0 * k_seq;
+      const float* v_tile = v_head + c0 * v_seq;
+      for (std::int64_t t = 0; t < rows; ++t) {
+        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
+        if (cols == 0) continue;
+        const float* qr = block.q_row(p, q, t);
+        // Base-2 logits of the row's `cols` keys, 16 at a time: key i's dot product in
+        // a[i], over slices of 128 columns of head_dim whose q part stays in registers.
+        __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+          const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+          const float* keys = k_tile + j0 * k_seq;
+          __m512 a[16];
+          for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
           for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
             with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-              add_weighted_rows<decltype(vectors)::value>(
-                  weights, cols, v_tile + d0, v_seq,
-                  first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
+              dot_16_keys<decltype(vectors)::value>(
+                  qr + d0, keys + d0, k_seq, nk,
+                  first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
             });
+            next.step();
           }
+          const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
+          _mm512_storeu_ps(weights + j0, s);
+          // VMAXPS returns its second source when either is NaN: NaN logits stay out.
+          mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
+        }
+        // alpha by the vector 2^x (its error cancels: O and l get the same factor).
+        const float tile_max = lanes_max(mv);  // no lane of mv is NaN
+        float alpha = 1.0f;
+        if (tile_max > ms[t]) {
+          // 0 when the old max is -inf.
+          alpha = _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
+          ms[t] = tile_max;
+        }
+        const __m512 base = _mm512_set1_ps(mha::support::logit_shift(ms[t]));
+        __m512 sum = _mm512_setzero_ps();
+        for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+          const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+          const __m512 w = _mm512_maskz_mov_ps(
+              first_lanes(nk),
+              mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights + j0), base)));
+          _mm512_storeu_ps(weights + j0, w);
+          sum = _mm512_add_ps(sum, w);
+        }
+        ls[t] = ls[t] * alpha + lanes_sum(sum);
+        // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
+        float* acc = acc_rows + t * d16;
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
+          with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
+            add_weighted_rows<decltype(vectors)::value>(
+                weights, cols, v_tile + d0, v_seq,
+                first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
+          });
         }
       }
-
-      for (std::int64_t t = 0; t < rows; ++t) {
-        const std::int64_t row = t % p.q_len, head = kv_head * group + t / p.q_len;
-        float* o_row = o + b * p.o.batch + row * p.o.seq + head * p.o.head;
-        float* lse_row = lse != nullptr ? lse + b * p.lse.batch + head * p.lse.head + row : nullptr;
-        finish_row(acc_rows + t * d16, 1, ms[t], ls[t], mha::visible_keys(p, row), dim, o_row,
-                   lse_row);
-      }
     }
-  }
+
+    for (std::int64_t t = 0; t < rows; ++t) {
+      finish_row(acc_rows + t * d16, 1, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
+                 block.o_row(p, o, t), block.lse_at(p, lse, t));
+    }
+  });
 }
 
 // Prefill's arrays in the caller's workspace, for blocks of up to R rows (R' = R rounded up
