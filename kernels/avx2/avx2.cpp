@@ -106,6 +106,7 @@ namespace {
 using mha::support::Block;
 using mha::support::Carve;
 using mha::support::round_up;
+using mha::support::RowPrefetch;
 
 constexpr int kRows = 6;                      // MR: query rows per microkernel group
 constexpr int kPanel = 16;                    // keys per K panel = columns per V panel (2 ymm)
@@ -325,41 +326,6 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
   if (lse == nullptr) return;
   *lse = visible == 0 ? -std::numeric_limits<float>::infinity() : mha::support::row_lse_base2(m, l);
 }
-
-// Software prefetch of the tensor rows a later phase packs, a few cache lines per
-// microkernel call, into L2 (_MM_HINT_T1: L1 holds the panels). Token-major K and V rows
-// are one page apart, too far for the hardware prefetchers, so without this every packed
-// row waits on a cache miss; spread over the calls of the phase before, the next tile's
-// rows arrive while the FMAs run. Prefetches never fault and change no result; the
-// addresses are elements of the rows.
-class RowPrefetch {
- public:
-  RowPrefetch() = default;
-  // Rows [0, rows) of `base` (row stride `seq`, `dim` floats each), over about `calls` steps.
-  RowPrefetch(const float* base, std::int64_t seq, std::int64_t rows, std::int64_t dim,
-              std::int64_t calls)
-      : row_(base),
-        seq_(seq),
-        last_(dim - 1),
-        lines_((dim + 15) / 16 + 1),  // +1: a row need not start at a line
-        rows_left_(rows),
-        per_step_((rows * lines_ + calls - 1) / std::max<std::int64_t>(calls, 1)) {}
-
-  void step() {
-    for (std::int64_t n = 0; n < per_step_ && rows_left_ > 0; ++n) {
-      _mm_prefetch(reinterpret_cast<const char*>(row_ + std::min(16 * line_, last_)), _MM_HINT_T1);
-      if (++line_ == lines_) {
-        line_ = 0;
-        row_ += seq_;
-        --rows_left_;
-      }
-    }
-  }
-
- private:
-  const float* row_ = nullptr;  // the row being prefetched; line_ is its next line
-  std::int64_t seq_ = 0, last_ = 0, lines_ = 1, line_ = 0, rows_left_ = 0, per_step_ = 0;
-};
 
 // The kernel's arrays in the caller's workspace, sized for the largest block
 // (R = g x Br rows, R6 = R rounded up to 6).

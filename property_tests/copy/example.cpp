@@ -4,10 +4,11 @@
 // exactly that in an empty folder, for every kernel of the README's table. It runs one small
 // problem and compares the kernel with attention computed here in double precision.
 //
-// Compile it with -DMHA_EXAMPLE_KERNEL=<name> (naive, blocked, avx2, avx512, neon): it calls
-// mha_f32_attention_<name>. It is built WITHOUT the kernel's ISA flags (only the kernel file
-// has them), so the CPU check in main runs before any instruction of that ISA can: on a CPU
-// without it the program says so and exits 77 instead of dying of SIGILL.
+// Compile it with -DMHA_EXAMPLE_KERNEL=<name> (naive, blocked, avx2, avx512, neon, xsimd_avx2,
+// ...: the registry name with '_' for '-'): it calls mha_f32_attention_<name>. It is built WITHOUT
+// the kernel's ISA flags (only the kernel file has them), so the CPU check in main runs before any
+// instruction of that ISA can: on a CPU without it the program says so and exits 77 instead of
+// dying of SIGILL.
 //
 // Exit codes: 0 error within the bound, 1 error above it (or an invalid problem), 77 this
 // CPU lacks the kernel's ISA (ctest's SKIP_RETURN_CODE).
@@ -122,16 +123,25 @@ double error_bound(const mha::Problem& p) {
   return 2 * e_w + (2 * n + 1) * u;
 }
 
-// Whether this CPU runs the kernel: GCC and Clang builtins, which also check that the OS
-// saves the vector registers. Kernels not named here need only the baseline ISA.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+#endif
+
+// Whether this CPU runs the kernel, named after its ISA (avx2, xsimd_avx2, ...): GCC and
+// Clang builtins, which also check that the OS saves the vector registers. Kernels not
+// named after an x86-64 ISA need only the baseline ISA.
 bool cpu_runs(const std::string& kernel) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (kernel == "avx512") {
+  if (ends_with(kernel, "avx512")) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("fma");
   }
-  if (kernel == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (ends_with(kernel, "avx2"))
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
   (void)kernel;
   return true;

@@ -8,7 +8,7 @@
 # at -Wall -Wextra).
 #
 # Usage: run.sh KERNEL REPO WORK_DIR CXX [FLAG...]
-#   KERNEL    a kernel name of the table (naive, blocked, avx2, avx512, neon)
+#   KERNEL    a kernel name of the table (naive, blocked, avx2, avx512, neon, xsimd-avx2, ...)
 #   REPO      this repository's root          WORK_DIR  the folder to create (emptied first)
 #   CXX       the C++ compiler                FLAG...   added to both commands (the
 #                                                       sanitizer build passes its flags)
@@ -69,7 +69,9 @@ cp "$repo/property_tests/copy/example.cpp" "$work/"
 cd "$work"
 # shellcheck disable=SC2086
 step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. $flags "$@" -c "$source"
-step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. -DMHA_EXAMPLE_KERNEL="$kernel" "$@" example.cpp \
+# The example calls mha_f32_attention_<kernel>, '-' spelled '_' (xsimd-avx2: ..._xsimd_avx2).
+symbol=$(printf '%s' "$kernel" | tr - _)
+step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. -DMHA_EXAMPLE_KERNEL="$symbol" "$@" example.cpp \
   "$object" -o example
 echo "+ ${MHA_COPY_RUNNER:+$MHA_COPY_RUNNER }./example"
 # shellcheck disable=SC2086

@@ -11,6 +11,7 @@
 //   visits them, and Block maps a block row t to its head, query row and tensor rows.
 // * with_count: a run-time count 1..N as a compile-time constant, for microkernels
 //   instantiated per row or column count.
+// * RowPrefetch: software prefetch of the rows a later phase packs, spread over steps.
 // * Caches: the L1d and L2 sizes the kernels derive their tile sizes from, read once from
 //   the system (or from MHA_CACHES), with fallbacks.
 #pragma once
@@ -259,6 +260,43 @@ inline std::int64_t decode_tile_keys(const Problem& p, std::int64_t step,
   const std::int64_t fit = c.l1d * 2 / 3 / (2 * p.head_dim * std::int64_t{sizeof(float)});
   return std::clamp(fit / step * step, step, std::max<std::int64_t>(step, 256 / step * step));
 }
+
+/// Software prefetch, into L2, of tensor rows a later phase of a tiled kernel reads (packs), a
+/// few cache lines per step, spread over the calls of the phase before it. Token-major K and
+/// V rows lie a page or more apart, too far for the hardware prefetchers, so without it every
+/// packed row starts with a cache miss; spread over the microkernel calls of the phase
+/// before, the next rows arrive while the FMAs run. Prefetches never fault and change no
+/// result; every address is an element of the rows. __builtin_prefetch (GCC, Clang) with
+/// locality 2: PREFETCHT1 on x86-64, PRFM PLDL2KEEP on AArch64.
+class RowPrefetch {
+ public:
+  RowPrefetch() = default;
+  /// Rows [0, rows) of `base` (row stride `seq`, `dim` floats each), over about `calls` steps.
+  RowPrefetch(const float* base, std::int64_t seq, std::int64_t rows, std::int64_t dim,
+              std::int64_t calls)
+      : row_(base),
+        seq_(seq),
+        last_(dim - 1),
+        lines_((dim + 15) / 16 + 1),  // +1: a row need not start at a line
+        rows_left_(rows),
+        per_step_((rows * lines_ + calls - 1) / std::max<std::int64_t>(calls, 1)) {}
+
+  /// The next few lines.
+  void step() {
+    for (std::int64_t n = 0; n < per_step_ && rows_left_ > 0; ++n) {
+      __builtin_prefetch(row_ + std::min(16 * line_, last_), 0, 2);
+      if (++line_ == lines_) {
+        line_ = 0;
+        row_ += seq_;
+        --rows_left_;
+      }
+    }
+  }
+
+ private:
+  const float* row_ = nullptr;  ///< the row being prefetched; line_ is its next line
+  std::int64_t seq_ = 0, last_ = 0, lines_ = 1, line_ = 0, rows_left_ = 0, per_step_ = 0;
+};
 
 /// One block of a problem: the g = q_heads / kv_heads query heads reading KV head kv_head,
 /// query rows [r0, r0 + br) of each. Block row t (0 <= t < rows = g br) is query head

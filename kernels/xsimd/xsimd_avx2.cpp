@@ -1,0 +1,21 @@
+// xsimd-avx2: the xsimd kernel of xsimd_kernel.h (which describes it), instantiated for
+// xsimd::fma3<xsimd::avx2>, AVX2 + FMA: 8-float vectors, 16 registers,
+// MR = 6. Compiled with the avx2 ISA's flags (cmake/isa.cmake).
+//
+// Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
+#include "xsimd_kernel.h"
+
+#include <cstddef>
+
+#include "mha/attention.h"
+
+template struct mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>;
+
+std::size_t mha_f32_attention_xsimd_avx2_workspace(const mha::Problem& p) {
+  return mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::workspace(p);
+}
+
+void mha_f32_attention_xsimd_avx2(const mha::Problem& p, const float* q, const float* k,
+                                  const float* v, float* o, float* lse, mha::Workspace ws) {
+  mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::run(p, q, k, v, o, lse, ws);
+}

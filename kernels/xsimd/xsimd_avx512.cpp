@@ -1,0 +1,21 @@
+// xsimd-avx512: the xsimd kernel of xsimd_kernel.h (which describes it), instantiated for
+// xsimd::avx512f, AVX-512F: 16-float vectors, 32 registers,
+// MR = 12. Compiled with the avx512 ISA's flags (cmake/isa.cmake).
+//
+// Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
+#include "xsimd_kernel.h"
+
+#include <cstddef>
+
+#include "mha/attention.h"
+
+template struct mha::xsimd_kernel::Attention<xsimd::avx512f>;
+
+std::size_t mha_f32_attention_xsimd_avx512_workspace(const mha::Problem& p) {
+  return mha::xsimd_kernel::Attention<xsimd::avx512f>::workspace(p);
+}
+
+void mha_f32_attention_xsimd_avx512(const mha::Problem& p, const float* q, const float* k,
+                                    const float* v, float* o, float* lse, mha::Workspace ws) {
+  mha::xsimd_kernel::Attention<xsimd::avx512f>::run(p, q, k, v, o, lse, ws);
+}

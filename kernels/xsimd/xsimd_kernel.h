@@ -1,0 +1,691 @@
+// xsimd_kernel.h: multi-head attention with flash-attention tiling and a base-2 online
+// softmax, in fp32, written once over xsimd::batch<float, Arch> and instantiated per
+// architecture by xsimd_avx2.cpp (fma3<avx2>), xsimd_avx512.cpp (avx512f) and
+// xsimd_neon.cpp (neon64), each compiled with its ISA's flags. The algorithm and layout of
+// kernels/avx2/avx2.cpp (read that file first), with the vector width W = batch::size a
+// template parameter instead of 8:
+//
+//   for each (batch, KV head, block of R = g x Br query rows; all g heads share every KV
+//            tile):                                                      for_each_block
+//     pack Q: each group of MR rows into Qp[d][MR]; m, l, O empty        start_block
+//     for each KV tile of Bc = 128 keys some row of the block sees (causal: later tiles
+//              are skipped):
+//       pack K^T into panels Kp[panel][d][2W]                            pack_k
+//       S = scale log2(e) Q K^T    microkernel MR rows x 2W keys         tile_logits
+//       online softmax in base 2 per row (exp2 below)                    tile_softmax
+//       pack V into column panels Vp[panel][key][2W]                     pack_v
+//       O = alpha O + P V          microkernel MR rows x 2W columns      tile_pv
+//     o = O / l, lse = (m + log2 l) ln2                                  finish_block
+//
+// Decode (fewer than 16 rows g x q_len per KV head): lanes along head_dim, K and V read in
+// place, W keys' dot products finished together by xsimd::haddp (decode_rows).
+//
+// Register tiles: MR rows x 2 vectors of accumulators, a broadcast per row and two loads of
+// the streamed panel per step. MR = 6 on 16-register ISAs (AVX2: 12 of 16 registers hold
+// accumulators, 12 FMA chains for 2 ports x 4 cycles), 12 on 32-register ones (AVX-512,
+// AArch64: 24 of 32). xsimd has no multiply by lane, so on AArch64 each row's broadcast is
+// its own load (LD1R) where the hand-written neon kernel takes 4 rows from one load
+// (FMLA by element).
+//
+// What xsimd 8.1 does not give, and what this file does instead:
+//   * Masked loads and stores: a row's last partial vector goes through a W-float buffer
+//     on the stack (load_part, store_part), so tensor memory is touched only at its
+//     elements. D = 128 and other multiples of 2W never take that path.
+//   * Prefetch: __builtin_prefetch (GCC and Clang), locality 2 = into L2 on x86-64.
+//   * A 2^x of known error: its exp2 is neither declared within 1 ulp nor flushes the way
+//     the tolerance expects, so exp2_nonpositive below is avx2_exp.h's algorithm in xsimd
+//     operations (the same floats on every architecture; measured in
+//     property_tests/xsimd_exp_test.cpp).
+//   * Lane-wise maximum of a vector: a loop over the stored lanes (once per row and tile).
+//
+// Everything else (tile sizes from the caches, causal masking, NaN and Inf rules, tails of
+// any key count, row count and head_dim, workspace layout, prefetch of the next tile) is
+// avx2.cpp's, with the same reasons and the same contract (mha/attention.h).
+//
+// Depends on mha/attention.h, mha/support.h and xsimd (Debian's libxsimd-dev, header-only)
+// only. Every function is a member of the class template Attention<Arch>, so the copies
+// compiled with different ISA flags never meet at link time.
+#pragma once
+
+// GCC 12 reports its own _mm512_undefined_ps (avx512fintrin.h) as "used uninitialized" when
+// it is inlined from xsimd's AVX-512 haddp into this file; the value is a don't-care operand
+// by design.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <xsimd/xsimd.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "mha/attention.h"
+#include "mha/support.h"
+
+namespace mha::xsimd_kernel {
+
+template <class Arch>
+struct Attention {
+  using Batch = xsimd::batch<float, Arch>;
+  using Ints = xsimd::batch<std::int32_t, Arch>;
+  using Block = mha::support::Block;
+  using Carve = mha::support::Carve;
+  using RowPrefetch = mha::support::RowPrefetch;
+
+  static constexpr int kWidth = static_cast<int>(Batch::size);  // W: floats per vector
+  static constexpr int kPanel = 2 * kWidth;  // keys per K panel = columns per V panel
+  // MR: query rows per microkernel group; 32 vector registers on AVX-512 and AArch64.
+  static constexpr int kRows = kWidth == 8 ? 6 : 12;
+  static constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, S's row stride
+  static constexpr std::int64_t kBlockFloats = 65536;  // R x D rounded to 2W at most this
+  static constexpr std::int64_t kDecodeRows = 16;      // rows per KV head below which decode
+  static constexpr std::int64_t kDotKeys = kWidth;     // keys per dot_keys call (one haddp)
+  static constexpr int kDotVectors = 4;                // q vectors in registers in dot_keys
+  static constexpr int kPvVectors = 8;                 // O vectors per add_weighted_rows call
+  static_assert(kKeys % kPanel == 0 && kWidth <= 64);
+
+  static float neg_inf() { return -std::numeric_limits<float>::infinity(); }
+
+  // scale log2(e), rounded once: the logits' base change.
+  static float logit_scale_of(const mha::Problem& p) {
+    return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
+  }
+
+  // Lanes [0, n) of a vector (none for n <= 0, all for n >= W), as a float lane mask.
+  static xsimd::batch_bool<float, Arch> first_lanes(std::int64_t n) {
+    alignas(64) static constexpr float kIota[64] = {
+        0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+        22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+        44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+    const float c = static_cast<float>(std::clamp<std::int64_t>(n, 0, kWidth));
+    return Batch::load_aligned(kIota) < Batch(c);
+  }
+
+  // n floats (n >= 1) of a tensor row; lanes past n are 0 and their memory is not touched.
+  static Batch load_part(const float* x, std::int64_t n) {
+    if (n >= kWidth) return Batch::load_unaligned(x);
+    alignas(64) float buf[kWidth] = {};
+    std::copy(x, x + n, buf);
+    return Batch::load_aligned(buf);
+  }
+  // Stores lanes [0, n) of x (n >= 1) and touches no other element.
+  static void store_part(float* out, std::int64_t n, const Batch& x) {
+    if (n >= kWidth) {
+      x.store_unaligned(out);
+      return;
+    }
+    alignas(64) float buf[kWidth];
+    x.store_aligned(buf);
+    std::copy(buf, buf + n, out);
+  }
+
+  static float max_lanes(const Batch& x) {
+    alignas(64) float lanes[kWidth];
+    x.store_aligned(lanes);
+    float m = lanes[0];
+    for (int i = 1; i < kWidth; ++i) m = std::max(m, lanes[i]);
+    return m;
+  }
+
+  // 2^x for x <= 0, -inf or NaN: avx2_exp.h's algorithm (its header gives the derivation).
+  // 2^n 2^f with n = round(x), f = x - n exact; 2^f by a degree-7 Taylor polynomial; 2^n
+  // built in the exponent field by one addition of 1.5 2^23 + 127 and a shift; x clamped to
+  // -127, so results below 2^-126.5 flush to +0. -inf gives 0, NaN stays NaN (the clamp is
+  // a select on x < -127, false for NaN).
+  static Batch exp2_nonpositive(Batch x) {
+    const Batch shifter(12583039.0f);  // 1.5 2^23 + 127
+    x = xsimd::select(x < Batch(-127.0f), Batch(-127.0f), x);
+    const Batch t = x + shifter;        // 1.5 2^23 + n + 127, n = round(x)
+    const Batch f = x - (t - shifter);  // both exact
+    Batch p(1.52527338e-5f);            // ln2^k / k! for k = 7 .. 1, rounded to float
+    p = xsimd::fma(p, f, Batch(1.54035304e-4f));
+    p = xsimd::fma(p, f, Batch(1.33335581e-3f));
+    p = xsimd::fma(p, f, Batch(9.61812911e-3f));
+    p = xsimd::fma(p, f, Batch(5.55041087e-2f));
+    p = xsimd::fma(p, f, Batch(2.40226507e-1f));
+    p = xsimd::fma(p, f, Batch(6.93147181e-1f));
+    p = xsimd::fma(p, f, Batch(1.0f));
+    const Ints field = xsimd::bitwise_cast<Ints>(t) << 23;  // 2^n, or +0 for n = -127
+    return p * xsimd::bitwise_cast<Batch>(field);
+  }
+
+  // ---- Packing ----------------------------------------------------------------------
+
+  // kp[panel][d][i] = k[2W panel + i][d], 0 for keys >= keys, over round_up(keys, 2W) keys.
+  // A key row at a time, each element stored at its place in the panel: the tile's K is
+  // read once per block of R rows, and this loop is a few percent of the S product's time
+  // at R = 6 (the smallest prefill block) and well below 1% at R >= 128.
+  static void pack_k(const float* k, std::int64_t k_seq, std::int64_t keys, std::int64_t dim,
+                     float* kp) {
+    const std::int64_t padded = mha::support::round_up(keys, kPanel);
+    for (std::int64_t j = 0; j < padded; ++j) {
+      float* column = kp + (j / kPanel) * dim * kPanel + j % kPanel;
+      if (j >= keys) {
+        for (std::int64_t d = 0; d < dim; ++d) column[d * kPanel] = 0.0f;
+        continue;
+      }
+      const float* row = k + j * k_seq;
+      for (std::int64_t d = 0; d < dim; ++d) column[d * kPanel] = row[d];
+    }
+  }
+
+  // vp[panel][j][c] = v[j][2W panel + c], 0 for columns >= dim.
+  static void pack_v(const float* v, std::int64_t v_seq, std::int64_t keys, std::int64_t dim,
+                     float* vp) {
+    const std::int64_t padded = mha::support::round_up(dim, kPanel);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const float* row = v + j * v_seq;
+      for (std::int64_t c = 0; c < padded; c += kWidth) {
+        const Batch x = c < dim ? load_part(row + c, dim - c) : Batch(0.0f);
+        x.store_aligned(vp + (c / kPanel) * kKeys * kPanel + j * kPanel + c % kPanel);
+      }
+    }
+  }
+
+  // qp[d][r] = q[r][d] for r < nr, 0 for nr <= r < MR.
+  static void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
+    for (std::int64_t d = 0; d < dim; ++d) {
+      for (int r = 0; r < kRows; ++r) qp[d * kRows + r] = r < nr ? q[r][d] : 0.0f;
+    }
+  }
+
+  // ---- Microkernels -------------------------------------------------------------------
+
+  // acc[r] += a[r * kStride] * b[0 .. 2W) for r < MR: one step of both microkernels.
+  template <int MR, std::int64_t kStride>
+  static void rank1_update(Batch (&acc)[MR][2], const float* a, const float* b) {
+    const Batch b0 = Batch::load_aligned(b);
+    const Batch b1 = Batch::load_aligned(b + kWidth);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const Batch ar(a[r * kStride]);
+      acc[r][0] = xsimd::fma(ar, b0, acc[r][0]);
+      acc[r][1] = xsimd::fma(ar, b1, acc[r][1]);
+    }
+  }
+
+  // The S microkernel: s[r][0 .. 2W) = c sum_d qp[d][r] kp[d][0 .. 2W) for r < MR, with
+  // lanes >= limit[r] set to -inf (keys row r does not see); rowmax[r] (W lanes) takes the
+  // lane-wise max, ignoring NaN logits (the select keeps the max where x > max is false).
+  template <int MR>
+  static void logits_tile(const float* qp, const float* kp, std::int64_t dim, float c,
+                          const std::int64_t* limit, float* s, float* rowmax) {
+    Batch acc[MR][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = Batch(0.0f);
+    for (std::int64_t d = 0; d < dim; ++d) {
+      rank1_update<MR, 1>(acc, qp + d * kRows, kp + d * kPanel);
+    }
+    const Batch cv(c), minus_inf(neg_inf());
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      Batch x0 = acc[r][0] * cv, x1 = acc[r][1] * cv;
+      if (limit[r] < kPanel) {
+        x0 = xsimd::select(first_lanes(limit[r]), x0, minus_inf);
+        x1 = xsimd::select(first_lanes(limit[r] - kWidth), x1, minus_inf);
+      }
+      x0.store_aligned(s + r * kKeys);
+      x1.store_aligned(s + r * kKeys + kWidth);
+      Batch m = Batch::load_aligned(rowmax + kWidth * r);
+      m = xsimd::select(x0 > m, x0, m);
+      m = xsimd::select(x1 > m, x1, m);
+      m.store_aligned(rowmax + kWidth * r);
+    }
+  }
+
+  // The PV microkernel: o[r][0 .. 2W) = alpha[r] o[r][0 .. 2W) + sum_{j < keys} p[r][j]
+  // vp[j][0 .. 2W) for r < MR; alpha null: no rescale.
+  template <int MR>
+  static void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* alpha,
+                      float* o, std::int64_t ld_o) {
+    Batch acc[MR][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = Batch::load_aligned(o + r * ld_o);
+      acc[r][1] = Batch::load_aligned(o + r * ld_o + kWidth);
+      if (alpha != nullptr) {
+        const Batch a(alpha[r]);
+        acc[r][0] *= a;
+        acc[r][1] *= a;
+      }
+    }
+    for (std::int64_t j = 0; j < keys; ++j) {
+      rank1_update<MR, kKeys>(acc, p + j, vp + j * kPanel);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0].store_aligned(o + r * ld_o);
+      acc[r][1].store_aligned(o + r * ld_o + kWidth);
+    }
+  }
+
+  // One row's base-2 online-softmax step over its `cols` (>= 1) logits of this tile: s
+  // becomes 2^(s - m_new); lanes up to the next multiple of 2W are -inf and become 0.
+  static void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, float* l,
+                             float* alpha) {
+    const float m_old = *m;
+    const float tile_max = max_lanes(Batch::load_aligned(rowmax));  // no lane is NaN
+    float a = 1.0f;
+    if (tile_max > m_old) {
+      a = std::exp2(m_old - tile_max);  // exactly 0 when m_old is -inf
+      *m = tile_max;
+    }
+    const Batch base(mha::support::logit_shift(*m));
+    Batch sum(0.0f);
+    for (std::int64_t j = 0; j < cols; j += kWidth) {
+      const Batch w = exp2_nonpositive(Batch::load_aligned(s + j) - base);
+      w.store_aligned(s + j);
+      sum += w;
+    }
+    *l = *l * a + xsimd::hadd(sum);
+    *alpha = a;
+  }
+
+  // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
+  // blocked's finish_row).
+  static void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
+                         float* o, float* lse) {
+    const Batch lv(l);  // a division: one rounding, as the tolerance assumes
+    for (std::int64_t d = 0; d < dim; d += kWidth) {
+      const Batch x = visible == 0 ? Batch(0.0f) : Batch::load_aligned(acc + d) / lv;
+      store_part(o + d, dim - d, x);
+    }
+    if (lse == nullptr) return;
+    *lse = visible == 0 ? neg_inf() : mha::support::row_lse_base2(m, l);
+  }
+
+  // ---- Prefill ------------------------------------------------------------------------
+
+  // The arrays in the caller's workspace, sized for the largest block (R = g x Br rows,
+  // RM = R rounded up to MR; every array holds whole vectors and starts on 64 bytes).
+  struct Scratch {
+    std::int64_t dim_p;  // head_dim rounded up to 2W: O's row stride, V panels x 2W
+    float* kp;           // [Bc / 2W][head_dim][2W]: the K tile, packed
+    float* vp;           // [dim_p / 2W][Bc][2W]: the V tile, packed
+    float* qp;           // [RM / MR][head_dim][MR]: the block's Q, packed
+    float* s;            // [R][Bc]: logits, then weights
+    float* acc;          // [R][dim_p]: O
+    float* rowmax;       // [R][W]: lane maxima of the tile's logits
+    float* m;            // [R]: running maxima (base 2)
+    float* l;            // [R]: running sums
+    float* alpha;        // [R]: this tile's rescale factors
+    std::int64_t* cols;  // [R]: keys of this tile each row sees
+  };
+
+  // Br: as many rows of each head as keep Qp, S and O (R (D + Bc + dim_p) floats) with Kp
+  // and Vp (2 Bc dim_p) within half of L2, and R dim_p within kBlockFloats; at least 1.
+  static std::int64_t rows_per_head(const mha::Problem& p) {
+    const std::int64_t group = p.q_heads / p.kv_heads;
+    const std::int64_t dim_p = mha::support::round_up(p.head_dim, kPanel);
+    const std::int64_t budget = mha::support::caches().l2 / 2 / std::int64_t{sizeof(float)};
+    const std::int64_t rows =
+        std::min((budget - 2 * kKeys * dim_p) / (p.head_dim + kKeys + dim_p), kBlockFloats / dim_p);
+    return std::clamp(rows / group, std::int64_t{1}, p.q_len);
+  }
+
+  static Scratch carve(const mha::Problem& p, Carve& carve) {
+    const std::int64_t dim = p.head_dim;
+    const std::int64_t rows = p.q_heads / p.kv_heads * rows_per_head(p);
+    Scratch s;
+    s.dim_p = mha::support::round_up(dim, kPanel);
+    s.kp = carve.take<float>(kKeys * dim);
+    s.vp = carve.take<float>(s.dim_p * kKeys);
+    s.qp = carve.take<float>(mha::support::round_up(rows, kRows) * dim);
+    s.s = carve.take<float>(rows * kKeys);
+    s.acc = carve.take<float>(rows * s.dim_p);
+    s.rowmax = carve.take<float>(kWidth * rows);
+    s.m = carve.take<float>(rows);
+    s.l = carve.take<float>(rows);
+    s.alpha = carve.take<float>(rows);
+    s.cols = carve.take<std::int64_t>(rows);
+    return s;
+  }
+
+  static std::int64_t groups(const Block& block) { return (block.rows + kRows - 1) / kRows; }
+
+  static void start_block(const mha::Problem& p, const Block& block, const float* q,
+                          const Scratch& s) {
+    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+      const float* qr[kRows];
+      for (int r = 0; r < nr; ++r) qr[r] = block.q_row(p, q, t0 + r);
+      pack_q(qr, nr, p.head_dim, s.qp + t0 * p.head_dim);
+    }
+    std::fill(s.m, s.m + block.rows, neg_inf());
+    std::fill(s.l, s.l + block.rows, 0.0f);
+    std::fill(s.acc, s.acc + block.rows * s.dim_p, 0.0f);
+  }
+
+  // S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1.
+  static void tile_logits(const mha::Problem& p, const Block& block, std::int64_t keys, float c,
+                          const Scratch& s, RowPrefetch& v_ahead) {
+    std::fill(s.rowmax, s.rowmax + kWidth * block.rows, neg_inf());
+    for (std::int64_t j0 = 0; j0 < keys; j0 += kPanel) {
+      for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+        const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+        std::int64_t limit[kRows], most = 0;
+        for (int r = 0; r < nr; ++r) {
+          limit[r] = s.cols[t0 + r] - j0;
+          most = std::max(most, limit[r]);
+        }
+        if (most <= 0) continue;  // no row of the group sees this panel
+        mha::support::with_count<kRows>(nr, [&](auto rows) {
+          logits_tile<decltype(rows)::value>(s.qp + t0 * p.head_dim, s.kp + j0 * p.head_dim,
+                                             p.head_dim, c, limit, s.s + t0 * kKeys + j0,
+                                             s.rowmax + kWidth * t0);
+        });
+        v_ahead.step();
+      }
+    }
+  }
+
+  static void tile_softmax(const Block& block, const Scratch& s) {
+    for (std::int64_t t = 0; t < block.rows; ++t) {
+      s.alpha[t] = 1.0f;
+      if (s.cols[t] > 0) {
+        online_softmax(s.s + t * kKeys, s.cols[t], s.rowmax + kWidth * t, s.m + t, s.l + t,
+                       s.alpha + t);
+      }
+    }
+  }
+
+  // O = alpha O + P V, V panel by V panel: keys every row of a group sees through the
+  // group's microkernel, each row's extra keys (the causal diagonal) through a 1-row pass,
+  // so a V row a query row does not see never reaches it.
+  static void tile_pv(const Block& block, std::int64_t keys, const Scratch& s,
+                      RowPrefetch& k_ahead) {
+    for (std::int64_t cp = 0; cp < s.dim_p; cp += kPanel) {
+      const float* panel = s.vp + (cp / kPanel) * kKeys * kPanel;
+      for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+        const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+        std::int64_t shared = keys, most = 0;
+        bool rescale = false;  // none once the group's maxima have settled
+        for (int r = 0; r < nr; ++r) {
+          shared = std::min(shared, s.cols[t0 + r]);
+          most = std::max(most, s.cols[t0 + r]);
+          rescale |= s.alpha[t0 + r] != 1.0f;
+        }
+        if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
+        k_ahead.step();
+        float* o_rows = s.acc + t0 * s.dim_p + cp;
+        mha::support::with_count<kRows>(nr, [&](auto rows) {
+          pv_tile<decltype(rows)::value>(s.s + t0 * kKeys, shared, panel,
+                                         rescale ? s.alpha + t0 : nullptr, o_rows, s.dim_p);
+        });
+        for (int r = 0; r < nr; ++r) {
+          const std::int64_t extra = s.cols[t0 + r] - shared;
+          if (extra > 0) {
+            pv_tile<1>(s.s + (t0 + r) * kKeys + shared, extra, panel + shared * kPanel, nullptr,
+                       o_rows + r * s.dim_p, s.dim_p);
+          }
+        }
+      }
+    }
+  }
+
+  static void prefill(const mha::Problem& p, const float* q, const float* k, const float* v,
+                      float* o, float* lse, mha::Workspace ws) {
+    const std::int64_t dim = p.head_dim;
+    const float c = logit_scale_of(p);
+    Carve workspace(ws.data);
+    const Scratch s = carve(p, workspace);
+    mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
+      start_block(p, block, q, s);
+      const float* k_head = block.k_head(p, k);
+      const float* v_head = block.v_head(p, v);
+      const std::int64_t block_keys = block.keys(p);
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
+        const std::int64_t keys = std::min(kKeys, block_keys - c0);
+        const float* k_tile = k_head + c0 * p.k.seq;
+        const float* v_tile = v_head + c0 * p.v.seq;
+        for (std::int64_t t = 0; t < block.rows; ++t)
+          s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
+        // V of this tile arrives during S, K of the next one during P V.
+        const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
+        RowPrefetch v_ahead(v_tile, p.v.seq, keys, dim,
+                            groups(block) * mha::support::ceil_div(keys, kPanel));
+        RowPrefetch k_ahead;
+        if (next_keys > 0) {
+          k_ahead = RowPrefetch(k_tile + kKeys * p.k.seq, p.k.seq, next_keys, dim,
+                                groups(block) * (s.dim_p / kPanel));
+        }
+        pack_k(k_tile, p.k.seq, keys, dim, s.kp);
+        tile_logits(p, block, keys, c, s, v_ahead);
+        tile_softmax(block, s);
+        pack_v(v_tile, p.v.seq, keys, dim, s.vp);
+        tile_pv(block, keys, s, k_ahead);
+      }
+      for (std::int64_t t = 0; t < block.rows; ++t) {
+        finish_row(s.acc + t * s.dim_p, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), dim,
+                   block.o_row(p, o, t), block.lse_at(p, lse, t));
+      }
+    });
+  }
+
+  // ---- Decode -------------------------------------------------------------------------
+  // avx2.cpp's decode_rows (its comment gives the measurements): per row, W keys' dot
+  // products accumulate in W vectors over slices of 4 q vectors kept in registers and are
+  // finished by one haddp; P V adds weight x V row into the row's accumulator, 8 vectors at
+  // a time. Tiles of decode_tile_keys keys, the next tile prefetched into L2 a few rows per
+  // dot_keys call.
+
+  static bool decodes(const mha::Problem& p) {
+    return p.q_heads / p.kv_heads * p.q_len < kDecodeRows;
+  }
+
+  // xsimd 8's haddp for avx512f returns lane i of the sums in lane pi(i), pi swapping lanes
+  // 2, 3 with 4, 5 in each half (it gives 0 1 4 5 2 3 6 7 8 9 12 13 10 11 14 15): dot_keys
+  // keeps key i's accumulator in slot pi(i) (an involution), so the lanes come out in order.
+  // The property tests fail if a version differs.
+  static constexpr bool kHaddpSwapsLanes =
+      std::is_same_v<Arch, xsimd::avx512f> && XSIMD_VERSION_MAJOR == 8;
+  static constexpr int slot(int i) {
+    if (!kHaddpSwapsLanes) return i;
+    const int j = i % 8;
+    return i - j + (j == 2 || j == 3 ? j + 2 : j == 4 || j == 5 ? j - 2 : j);
+  }
+
+  // Lane i: q . k_i (i < NK; lanes from NK on are 0) for the key rows k_i = k + i k_seq.
+  template <int NK>
+  static Batch dot_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t dim) {
+    Batch a[kWidth];
+#pragma GCC unroll 16
+    for (Batch& x : a) x = Batch(0.0f);
+    std::int64_t d0 = 0;
+    for (; d0 + kDotVectors * kWidth <= dim; d0 += kDotVectors * kWidth) {
+      Batch qv[kDotVectors];
+#pragma GCC unroll 4
+      for (int c = 0; c < kDotVectors; ++c) qv[c] = Batch::load_unaligned(q + d0 + kWidth * c);
+#pragma GCC unroll 16
+      for (int i = 0; i < NK; ++i) {
+        const float* key = k + i * k_seq + d0;
+#pragma GCC unroll 4
+        for (int c = 0; c < kDotVectors; ++c) {
+          a[slot(i)] = xsimd::fma(qv[c], Batch::load_unaligned(key + kWidth * c), a[slot(i)]);
+        }
+      }
+    }
+    for (; d0 < dim; d0 += kWidth) {  // the last columns, a vector at a time
+      const Batch qv = load_part(q + d0, dim - d0);
+#pragma GCC unroll 16
+      for (int i = 0; i < NK; ++i) {
+        a[slot(i)] = xsimd::fma(qv, load_part(k + i * k_seq + d0, dim - d0), a[slot(i)]);
+      }
+    }
+    return xsimd::haddp(a);
+  }
+
+  // acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited
+  // to `last`) of the rows v_j = v + j v_seq.
+  template <int NV>
+  static void add_weighted_rows(const float* w, std::int64_t cols, const float* v,
+                                std::int64_t v_seq, std::int64_t last, float* acc, float alpha) {
+    const Batch av(alpha);
+    Batch o[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) o[c] = Batch::load_aligned(acc + kWidth * c) * av;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const Batch wj(w[j]);
+      const float* row = v + j * v_seq;
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) {
+        const Batch x = c + 1 == NV && last < kWidth ? load_part(row + kWidth * c, last)
+                                                     : Batch::load_unaligned(row + kWidth * c);
+        o[c] = xsimd::fma(wj, x, o[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) o[c].store_aligned(acc + kWidth * c);
+  }
+
+  // Rows [0, n) of K and V into L2, every line holding an element of them. Inlined: called
+  // out of line from the S loop, the call would clobber every vector register (avx2.cpp).
+  __attribute__((always_inline)) static void prefetch_rows(const float* k, std::int64_t k_seq,
+                                                           const float* v, std::int64_t v_seq,
+                                                           std::int64_t n, std::int64_t dim) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float* k_row = k + i * k_seq;
+      const float* v_row = v + i * v_seq;
+      for (std::int64_t d = 0; d < dim; d += 16) {
+        __builtin_prefetch(k_row + d, 0, 2);
+        __builtin_prefetch(v_row + d, 0, 2);
+      }
+      __builtin_prefetch(k_row + dim - 1, 0, 2);  // the last line, when a row is not aligned
+      __builtin_prefetch(v_row + dim - 1, 0, 2);
+    }
+  }
+
+  struct DecodeScratch {
+    std::int64_t tile_keys;  // keys per tile, a multiple of kDotKeys
+    std::int64_t dim_w;      // head_dim rounded up to W: an accumulator's length
+    float* acc;              // [rows][dim_w]: O
+    float* weights;          // [tile_keys]: one row's logits, then its weights
+  };
+
+  static DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
+    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+    DecodeScratch s;
+    s.tile_keys = mha::support::decode_tile_keys(p, kDotKeys);
+    s.dim_w = mha::support::round_up(p.head_dim, kWidth);
+    s.acc = carve.take<float>(rows * s.dim_w);
+    s.weights = carve.take<float>(s.tile_keys);
+    return s;
+  }
+
+  static void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v,
+                          float* o, float* lse, mha::Workspace ws) {
+    const std::int64_t dim = p.head_dim;
+    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+    Carve workspace(ws.data);
+    const DecodeScratch s = carve_decode(p, workspace);
+    const std::int64_t tile_keys = s.tile_keys;
+    const Batch logit_scale(logit_scale_of(p));
+    const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, kDotKeys);
+
+    mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+      const float* k_head = block.k_head(p, k);
+      const float* v_head = block.v_head(p, v);
+      float ms[kDecodeRows], ls[kDecodeRows];
+      std::fill(ms, ms + rows, neg_inf());
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
+      const std::int64_t block_keys = block.keys(p);
+      prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
+
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
+        const std::int64_t next =
+            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
+        const float* k_tile = k_head + c0 * p.k.seq;
+        const float* v_tile = v_head + c0 * p.v.seq;
+        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
+        std::int64_t step = 0;
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+          if (cols == 0) continue;
+          const float* qr = block.q_row(p, q, t);
+          Batch mv(neg_inf());
+          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+            const std::int64_t nk = std::min(kDotKeys, cols - j0);
+            const float* key0 = k_tile + j0 * p.k.seq;
+            Batch dots;
+            mha::support::with_count<kDotKeys>(nk, [&](auto count) {
+              dots = dot_keys<decltype(count)::value>(qr, key0, p.k.seq, dim);
+            });
+            const std::int64_t first = step++ * rows_per_step;
+            if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
+              prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
+                            v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
+            }
+            const Batch x = dots * logit_scale;
+            x.store_aligned(s.weights + j0);
+            // Lanes past nk keep mv, and so does a NaN x.
+            mv = xsimd::select(first_lanes(nk) & (x > mv), x, mv);
+          }
+          const float tile_max = max_lanes(mv);  // no lane of mv is NaN
+          float alpha = 1.0f;
+          if (tile_max > ms[t]) {
+            alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
+            ms[t] = tile_max;
+          }
+          const Batch base(mha::support::logit_shift(ms[t]));
+          Batch sum(0.0f);
+          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+            const Batch e = exp2_nonpositive(Batch::load_aligned(s.weights + j0) - base);
+            const Batch w = xsimd::select(first_lanes(cols - j0), e, Batch(0.0f));
+            w.store_aligned(s.weights + j0);
+            sum += w;
+          }
+          ls[t] = ls[t] * alpha + xsimd::hadd(sum);
+          float* acc = s.acc + t * s.dim_w;
+          for (std::int64_t d0 = 0; d0 < dim; d0 += kPvVectors * kWidth) {
+            const std::int64_t n = std::min<std::int64_t>(kPvVectors * kWidth, dim - d0);
+            mha::support::with_count<kPvVectors>(
+                mha::support::ceil_div(n, kWidth), [&](auto vectors) {
+                  constexpr int kVectors = decltype(vectors)::value;
+                  add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
+                                              n - kWidth * (kVectors - 1), acc + d0, alpha);
+                });
+          }
+        }
+      }
+      for (std::int64_t t = 0; t < rows; ++t) {
+        finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
+                   block.o_row(p, o, t), block.lse_at(p, lse, t));
+      }
+    });
+  }
+
+  // ---- Entry points -------------------------------------------------------------------
+
+  static std::size_t workspace(const mha::Problem& p) {
+    if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+    // At least what the largest decode needs, so that the size never shrinks as q_len grows.
+    mha::Problem largest_decode = p;
+    largest_decode.q_heads = p.kv_heads;
+    largest_decode.q_len = kDecodeRows - 1;
+    return std::max(
+        mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+        mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
+  }
+
+  static void run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+                  float* lse, mha::Workspace ws) {
+    if (decodes(p)) {
+      decode_rows(p, q, k, v, o, lse, ws);
+    } else {
+      prefill(p, q, k, v, o, lse, ws);
+    }
+  }
+};
+
+}  // namespace mha::xsimd_kernel
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

@@ -1,0 +1,21 @@
+// xsimd-neon: the xsimd kernel of xsimd_kernel.h (which describes it), instantiated for
+// xsimd::neon64, AArch64 Advanced SIMD: 4-float vectors, 32
+// registers, MR = 12. Compiled with the neon ISA's flags (cmake/isa.cmake).
+//
+// Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
+#include "xsimd_kernel.h"
+
+#include <cstddef>
+
+#include "mha/attention.h"
+
+template struct mha::xsimd_kernel::Attention<xsimd::neon64>;
+
+std::size_t mha_f32_attention_xsimd_neon_workspace(const mha::Problem& p) {
+  return mha::xsimd_kernel::Attention<xsimd::neon64>::workspace(p);
+}
+
+void mha_f32_attention_xsimd_neon(const mha::Problem& p, const float* q, const float* k,
+                                  const float* v, float* o, float* lse, mha::Workspace ws) {
+  mha::xsimd_kernel::Attention<xsimd::neon64>::run(p, q, k, v, o, lse, ws);
+}
