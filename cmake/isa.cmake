@@ -7,9 +7,16 @@
 #
 # GCC and Clang spelling. An ISA that the target has as its baseline needs no flags.
 set(MHA_ISA_FLAGS_scalar "")
+set(MHA_ISA_FLAGS_sse4 -mssse3 -msse4.1 -msse4.2)
 set(MHA_ISA_FLAGS_avx2 -mavx2 -mfma)
 set(MHA_ISA_FLAGS_avx512 -mavx512f -mavx512vl -mavx512dq -mavx512bw -mfma)
+set(MHA_ISA_FLAGS_avx512icl -mavx512f -mavx512vl -mavx512dq -mavx512bw -mavx512vbmi
+    -mavx512vbmi2 -mavx512bitalg -mavx512vpopcntdq -mvaes -mvpclmulqdq -mavxvnni -mfma)
 set(MHA_ISA_FLAGS_neon "")  # Advanced SIMD is mandatory in AArch64
+set(MHA_ISA_FLAGS_sve -march=armv8.2-a+sve)
+set(MHA_ISA_FLAGS_sve2 -march=armv8.5-a+sve2)
+# sse4, avx512icl, sve and sve2 are the Highway kernel's targets, which Highway compiles with
+# its own pragmas: no file of the project uses these flags yet.
 
 # mha_isa_sources(<isa> <file>...): builds the files (of targets in the calling directory)
 # with the flags of <isa>, and nothing else with them: code compiled with an ISA's flags may

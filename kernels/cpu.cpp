@@ -8,6 +8,10 @@
 
 #include "mha/registry.h"
 
+#if defined(__aarch64__)
+#include <sys/auxv.h>  // getauxval, AT_HWCAP, HWCAP_SVE, HWCAP2_SVE2
+#endif
+
 // An ISA's detection is compiled only on its own architecture; elsewhere it is false.
 #define MHA_DETECT_any(detect) (detect)
 #if defined(__x86_64__) || defined(_M_X64)

@@ -7,9 +7,9 @@
 // NaN. The bound asserted is the exp_ulp registry.inc declares for the xsimd kernels.
 //
 // MHA_XSIMD_STRIDE tests every stride-th float instead: 13 under qemu-aarch64, where the
-// whole sweep would take many minutes (13 is odd and prime, so every residue of the low
-// mantissa bits is hit; the algorithm and its floats are the same as on x86-64, where every
-// float is tested). Skipped on CPUs without the ISA.
+// whole sweep would take many minutes, and 17 under the sanitizers (odd primes, so every
+// residue of the low mantissa bits is hit; the algorithm and its floats are those of x86-64,
+// where every float is tested). Skipped on CPUs without the ISA.
 #include "xsimd_kernel.h"
 
 #include <gtest/gtest.h>

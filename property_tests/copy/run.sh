@@ -42,11 +42,13 @@ step() {
   fi
 }
 
-# The table row: | `avx2` (x86-64) | `kernels/avx2/avx2.cpp`, `kernels/avx2/avx2_exp.h` | `-mavx2 -mfma` |
+# The table row: | `avx2` (x86-64) | `kernels/avx2/avx2.cpp`, `kernels/avx2/avx2_exp.h` | `-mavx2 -mfma` | none |
 row=$(grep -E "^\| \`$kernel\`" "$repo/README.md" | head -n 1)
 [ -n "$row" ] || fail "no row for $kernel in README.md's copy table"
 files=$(printf '%s\n' "$row" | cut -d'|' -f3 | tr -d '`,')
 flags=$(printf '%s\n' "$row" | cut -d'|' -f4 | tr -d '`')
+# The libraries column's -l options (Highway: -lhwy) go on the link command.
+libs=$(printf '%s\n' "$row" | cut -d'|' -f5 | tr -d '`' | grep -o -- '-l[a-z0-9_]*' | tr '\n' ' ')
 case "$flags" in *none*) flags="" ;; esac
 source=""
 for f in $files; do
@@ -71,8 +73,9 @@ cd "$work"
 step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. $flags "$@" -c "$source"
 # The example calls mha_f32_attention_<kernel>, '-' spelled '_' (xsimd-avx2: ..._xsimd_avx2).
 symbol=$(printf '%s' "$kernel" | tr - _)
+# shellcheck disable=SC2086
 step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. -DMHA_EXAMPLE_KERNEL="$symbol" "$@" example.cpp \
-  "$object" -o example
+  "$object" $libs -o example
 echo "+ ${MHA_COPY_RUNNER:+$MHA_COPY_RUNNER }./example"
 # shellcheck disable=SC2086
 exec ${MHA_COPY_RUNNER:-} ./example
