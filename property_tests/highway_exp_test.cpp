@@ -8,8 +8,8 @@
 // registry.inc declares for that target's kernel.
 //
 // MHA_EXP_STRIDE samples every stride-th float instead (CMake: 31 under qemu-aarch64, where the
-// whole sweep would take an hour, 17 under the sanitizers; odd primes, so every residue of
-// the low mantissa bits is hit).
+// whole sweep would take an hour, and 251 for SVE, which qemu emulates 8x slower still; 17
+// under the sanitizers; odd primes, so every residue of the low mantissa bits is hit).
 //
 // This file is compiled once per target, as highway.cpp is (hwy/foreach_target.h), with the
 // same feature macros.
@@ -98,20 +98,27 @@ constexpr std::uint32_t kStride = MHA_EXP_STRIDE;
 #else
 constexpr std::uint32_t kStride = 1;
 #endif
+#ifdef MHA_EXP_SVE_STRIDE
+constexpr std::uint32_t kSveStride = MHA_EXP_SVE_STRIDE;
+#else
+constexpr std::uint32_t kSveStride = kStride;
+#endif
 
 struct Target {
   const char* kernel;  // the registry name
   Sweep (*sweep)(std::uint32_t, std::uint32_t, std::uint32_t);
+  std::uint32_t stride;  // of the sweeps
 };
 
 std::vector<Target> targets() {
   return {
 #if HWY_ARCH_X86_64
-    {"highway-sse4", &N_SSE4::SweepExp}, {"highway-avx2", &N_AVX2::SweepExp},
-        {"highway-avx3", &N_AVX3::SweepExp}, {"highway-avx3-dl", &N_AVX3_DL::SweepExp},
+    {"highway-sse4", &N_SSE4::SweepExp, kStride}, {"highway-avx2", &N_AVX2::SweepExp, kStride},
+        {"highway-avx3", &N_AVX3::SweepExp, kStride},
+        {"highway-avx3-dl", &N_AVX3_DL::SweepExp, kStride},
 #elif HWY_ARCH_ARM_A64
-    {"highway-neon", &N_NEON::SweepExp}, {"highway-sve", &N_SVE::SweepExp},
-        {"highway-sve2", &N_SVE2::SweepExp},
+    {"highway-neon", &N_NEON::SweepExp, kStride}, {"highway-sve", &N_SVE::SweepExp, kSveStride},
+        {"highway-sve2", &N_SVE2::SweepExp, kSveStride},
 #endif
   };
 }
@@ -130,15 +137,17 @@ class HighwayExp : public ::testing::TestWithParam<Target> {
 };
 
 TEST_P(HighwayExp, WithinDeclaredUlpAboveMinus126Point5) {
-  const Sweep s = GetParam().sweep(test::bits_of(-0.0f), test::bits_of(-126.5f) - 1, kStride);
+  const std::uint32_t stride = GetParam().stride;
+  const Sweep s = GetParam().sweep(test::bits_of(-0.0f), test::bits_of(-126.5f) - 1, stride);
   std::printf("%s exp2: max error %.4f ulp at x = %.9g (every %u%s float of (-126.5, 0])\n",
-              GetParam().kernel, s.worst_ulp, s.worst_x, kStride, kStride == 1 ? "st" : "th");
+              GetParam().kernel, s.worst_ulp, s.worst_x, stride, stride == 1 ? "st" : "th");
   EXPECT_LE(s.worst_ulp, kernel_->exp_ulp);
 }
 
 TEST_P(HighwayExp, FlushesToZeroFromMinus126Point5Down) {
-  const Sweep s = GetParam().sweep(test::bits_of(-126.5f),
-                                   test::bits_of(-std::numeric_limits<float>::infinity()), kStride);
+  const Sweep s =
+      GetParam().sweep(test::bits_of(-126.5f),
+                       test::bits_of(-std::numeric_limits<float>::infinity()), GetParam().stride);
   EXPECT_EQ(s.nonzero, 0u) << "first at x = " << s.first_nonzero;
 }
 
