@@ -156,7 +156,20 @@ struct Impl {
   // The ISA whose FMA peak peak_frac is over: the kernel's; empty for the baselines (the
   // widest, as for scalar kernels).
   std::string isa;
+  // A portable kernel (registry name <library>-<target>: xsimd-avx2, highway-sse4, ...):
+  // at the default size timed on the headline shapes only (headline()).
+  bool portable = false;
 };
+
+// The shapes the portable kernels are compared with the hand-written ones on at the default
+// size (the others would double its time): the GQA prefill at L = 2048 and the MHA decode
+// from memory.
+bool headline(const Shape& s) {
+  if (s.family == "prefill") {
+    return s.heads == 32 && s.kv_heads == 8 && s.q_len == 2048 && s.dim == 128 && !s.causal;
+  }
+  return s.family == "decode" && s.heads == 8 && s.kv_heads == 8 && s.kv_len == 32768;
+}
 
 #if MHA_HAVE_OPENBLAS
 void openblas_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
@@ -191,7 +204,8 @@ std::vector<Impl> implementations() {
                      parallel_attention(info->fn, info->workspace, p, q, k, v, o, lse, threads,
                                         Workspace{workspace->data(), bytes});
                    },
-                   kernel.tiled, isa_name(kernel.isa)});
+                   kernel.tiled, isa_name(kernel.isa),
+                   std::string(kernel.name).find('-') != std::string::npos});
   }
   // A composed baseline: its library's threads set to the benchmark's, then the composition.
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
@@ -693,6 +707,7 @@ int main(int argc, char** argv) {
         // An untiled kernel streams its head's K and V once per query row: beyond 2048 rows
         // a run would take minutes.
         if (!impl.tiled && s.q_len > 2048) continue;
+        if (impl.portable && size == Size::default_size && !headline(s)) continue;
         benchmark::RegisterBenchmark(s.name(impl.name).c_str(),
                                      [impl, s, shape, index, shape_count](benchmark::State& st) {
                                        progress(shape, index, shape_count);
