@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <stdexcept>
 #include <string>
@@ -78,11 +79,13 @@ bool cpu_supports(Isa isa) {
 int max_isa_rank() {
   const char* env = std::getenv("MHA_MAX_ISA");
   if (env == nullptr || *env == '\0') return highest_rank();
-  std::string accepted;
+  // No allocation unless the value is wrong: mha::attention asks on every call.
   for (const IsaInfo& isa : kIsas) {
-    if (env == std::string(isa.name)) return isa.rank;
-    accepted += (accepted.empty() ? "" : ", ") + std::string(isa.name);
+    if (std::strcmp(env, isa.name) == 0) return isa.rank;
   }
+  std::string accepted;
+  for (const IsaInfo& isa : kIsas)
+    accepted += (accepted.empty() ? "" : ", ") + std::string(isa.name);
   throw std::invalid_argument("MHA_MAX_ISA=" + std::string(env) + " is not one of " + accepted);
 }
 
