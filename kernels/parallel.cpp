@@ -268,4 +268,58 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
   }
 }
 
+namespace {
+
+// The GEMM driver's cut for a kernel's register tile (GemmPlan).
+struct GemmCut {
+  std::int64_t rows, cols;
+  explicit GemmCut(GemmTile t)
+      : rows(support::round_up(GemmPlan::kRows, t.mr)),
+        cols(support::round_up(GemmPlan::kCols, t.nr)) {}
+  std::int64_t col_tiles(const GemmProblem& p) const { return ceil_div(p.n, cols); }
+  std::int64_t tiles(const GemmProblem& p) const { return ceil_div(p.m, rows) * col_tiles(p); }
+};
+
+}  // namespace
+
+void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::size_t count,
+                   int threads) {
+  if (threads <= 0) threads = default_threads();
+  const GemmCut cut(tile);
+  std::int64_t tiles = 0;
+  for (std::size_t j = 0; j < count; ++j) tiles += cut.tiles(jobs[j].p);
+  threads = static_cast<int>(std::clamp<std::int64_t>(tiles, 1, threads));  // NOLINT: num_threads
+
+  // Tile t of all jobs: the job is found by a scan (a handful of jobs, each tile millions of
+  // multiply-adds), so the driver keeps no table and needs no workspace.
+  const auto run_tile = [&](std::int64_t t) {
+    std::size_t j = 0;
+    while (t >= cut.tiles(jobs[j].p)) t -= cut.tiles(jobs[j++].p);
+    const GemmJob& job = jobs[j];
+    const std::int64_t col_tiles = cut.col_tiles(job.p);
+    const std::int64_t i0 = t / col_tiles * cut.rows, j0 = t % col_tiles * cut.cols;
+    GemmProblem tp = job.p;
+    tp.m = std::min(cut.rows, job.p.m - i0);
+    tp.n = std::min(cut.cols, job.p.n - j0);
+    // Rows [i0, ...) and columns [j0, ...) of the packed operands start at whole panels.
+    kernel(tp, packed_panel(job.a, job.p.k, tile.mr, i0 / tile.mr),
+           packed_panel(job.b, job.p.k, tile.nr, j0 / tile.nr),
+           job.bias != nullptr ? job.bias + j0 : nullptr, job.c + i0 * job.p.ldc + j0);
+  };
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (std::int64_t t = 0; t < tiles; ++t) run_tile(t);
+}
+
+void parallel_pack_a(std::int64_t m, std::int64_t k, const float* a, std::int64_t lda,
+                     std::int64_t mr, float* packed, int threads) {
+  if (threads <= 0) threads = default_threads();
+  const std::int64_t panels = ceil_div(m, mr);
+  threads = static_cast<int>(std::clamp<std::int64_t>(panels, 1, threads));  // NOLINT
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * k >= 65536)
+  for (std::int64_t p = 0; p < panels; ++p) {
+    const std::int64_t rows = std::min(mr, m - p * mr);
+    pack_a(rows, k, a + p * mr * lda, lda, 1, mr, packed + p * mr * k);
+  }
+}
+
 }  // namespace mha

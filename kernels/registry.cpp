@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -15,6 +16,13 @@
   std::size_t function##_workspace(const mha::Problem& p);
 #include "registry.inc"
 #undef MHA_KERNEL
+
+#define MHA_GEMM(name, isa, function)                                                         \
+  void function(const mha::GemmProblem& p, const float* a, const float* b, const float* bias, \
+                float* c);                                                                    \
+  mha::GemmTile function##_tile();
+#include "gemm/gemm.inc"
+#undef MHA_GEMM
 
 namespace mha {
 
@@ -43,6 +51,34 @@ const KernelInfo& best_kernel() {
   const KernelInfo* best = &all_kernels().front();  // naive: scalar, always available
   for (const KernelInfo& kernel : all_kernels()) {
     if (available(kernel)) best = &kernel;
+  }
+  return *best;
+}
+
+const std::vector<GemmInfo>& all_gemms() {
+  static const std::vector<GemmInfo> gemms = {
+#define MHA_GEMM(name, isa, function) {#name, Isa::isa, function, function##_tile},
+#include "gemm/gemm.inc"
+#undef MHA_GEMM
+  };
+  return gemms;
+}
+
+bool available(const GemmInfo& gemm) {
+  return isa_rank(gemm.isa) <= max_isa_rank() && cpu_supports(gemm.isa);
+}
+
+const GemmInfo* find_gemm(const std::string& name) {
+  for (const GemmInfo& gemm : all_gemms()) {
+    if (name == gemm.name) return &gemm;
+  }
+  return nullptr;
+}
+
+const GemmInfo& best_gemm() {
+  const GemmInfo* best = &all_gemms().front();  // portable: scalar, always available
+  for (const GemmInfo& gemm : all_gemms()) {
+    if (available(gemm)) best = &gemm;
   }
   return *best;
 }
@@ -123,6 +159,59 @@ void run(const KernelInfo& info, const Problem& p, const float* q, const float* 
 }
 
 }  // namespace
+
+PackedMatrix::PackedMatrix(const GemmInfo& kernel, std::int64_t k, std::int64_t n, const float* b,
+                           std::int64_t row_stride, std::int64_t col_stride)
+    : kernel_(&kernel), k_(k), n_(n) {
+  if (!available(kernel)) {
+    throw std::invalid_argument("gemm kernel '" + std::string(kernel.name) + "' needs " +
+                                isa_name(kernel.isa) +
+                                ", which this CPU lacks or MHA_MAX_ISA excludes");
+  }
+  if (k < 1 || n < 1) {
+    throw std::invalid_argument("PackedMatrix: k and n must be positive, got k = " +
+                                std::to_string(k) + ", n = " + std::to_string(n));
+  }
+  if (b == nullptr) throw std::invalid_argument("PackedMatrix: b must not be null");
+  tile_ = kernel.tile();
+  const std::int64_t floats = packed_floats(n, k, tile_.nr);
+  if (floats == std::numeric_limits<std::int64_t>::max() ||
+      static_cast<std::uint64_t>(floats) > data_.max_size()) {
+    throw std::invalid_argument("PackedMatrix: the packed size overflows");
+  }
+  data_.resize(static_cast<std::size_t>(floats));
+  pack_b(k, n, b, row_stride, col_stride, tile_.nr, data_.data());
+}
+
+void gemm(std::int64_t m, const float* a, std::int64_t lda, const PackedMatrix& b,
+          const float* bias, float* c, std::int64_t ldc, int threads) {
+  const auto fail = [](const std::string& why) {
+    throw std::invalid_argument("mha::gemm: " + why);
+  };
+  if (b.kernel() == nullptr) fail("b is an empty PackedMatrix");
+  const GemmProblem p{m, b.n(), b.k(), ldc};
+  if (const std::string message = check_gemm(p); !message.empty()) fail(message);
+  if (lda < p.k) fail("lda must be >= k (" + std::to_string(p.k) + "), got " + std::to_string(lda));
+  if (p.m > 1 && lda > (std::numeric_limits<std::int64_t>::max() - p.k) / (p.m - 1)) {
+    fail("a's highest element offset overflows int64");
+  }
+  if (a == nullptr || c == nullptr) fail("a and c must not be null");
+  const Range out = range("c", c, c_extent(p));
+  if (intersect(out, range("a", a, (p.m - 1) * lda + p.k))) fail("c overlaps a");
+  if (bias != nullptr && intersect(out, range("bias", bias, p.n))) fail("c overlaps bias");
+  if (threads <= 0) threads = default_threads();
+  const GemmTile tile = b.tile();
+  thread_local std::vector<float> packed_a;  // grows to the largest call on this thread
+  const auto floats = static_cast<std::size_t>(packed_floats(p.m, p.k, tile.mr));
+  if (packed_a.size() < floats) {
+    packed_a.clear();
+    packed_a.shrink_to_fit();  // the old one first: the peak is the new size, not the sum
+    packed_a.resize(floats);
+  }
+  parallel_pack_a(p.m, p.k, a, lda, tile.mr, packed_a.data(), threads);
+  const GemmJob job{p, packed_a.data(), b.data(), bias, c};
+  parallel_gemm(b.kernel()->fn, tile, &job, 1, threads);
+}
 
 void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
                const float* v, float* o, float* lse, int threads) {

@@ -2,6 +2,8 @@
 // fail on any write outside its outputs; the equivalence property; properties in GoogleTest.
 #pragma once
 
+#include <sstream>
+
 #include <gtest/gtest.h>
 #include <mha/attention.h>
 #include <mha/registry.h>
@@ -52,3 +54,14 @@ void check_property(Testable&& testable) {
 }
 
 }  // namespace mha::test
+
+/// RC_ASSERT with a message: fails the property with everything streamed after `cond`,
+/// e.g. MHA_RC_ASSERT(x == y, "x " << x << " differs from y " << y).
+#define MHA_RC_ASSERT(cond, message)     \
+  do {                                   \
+    if (!(cond)) {                       \
+      std::ostringstream mha_rc_message; \
+      mha_rc_message << message;         \
+      RC_FAIL(mha_rc_message.str());     \
+    }                                    \
+  } while (false)

@@ -19,6 +19,12 @@ double accumulation_factor(double n) {
   return quotient + kU * (1.0 + quotient) + n * std::ldexp(1.0, -125);
 }
 
+double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp) {
+  const double delta = gamma(static_cast<double>(head_dim) + 5.0) * a;
+  const double eta = std::exp(delta) * (1.0 + exp_ulp * 2.0 * kU) - 1.0;
+  return (weight_shift(eta) + accumulation_factor(static_cast<double>(n))) * v_max;
+}
+
 Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
                     double exp_ulp, std::int64_t row_begin, std::int64_t row_end) {
   if (row_end < 0) row_end = p.q_len;
@@ -58,7 +64,7 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
         const std::size_t r = t.row(b, h, i);
         t.v_max[r] = vmax;
         t.accumulation[r] = accumulation * vmax;
-        t.o[r] = (weight_shift(eta) + accumulation) * vmax;
+        t.o[r] = o_bound(a, vmax, n, p.head_dim, exp_ulp);
         t.lse[r] = std::log1p(eta) - std::log1p(-g) +
                    (4.0 + exp_ulp) * 2.0 * u * (a + std::log(static_cast<double>(n)) + 1.0);
       }

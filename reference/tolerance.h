@@ -77,6 +77,10 @@ double weight_shift(double eta);
 /// Steps 3 and 4 as a relative factor, for n terms: the accumulation bound divided by V.
 double accumulation_factor(double n);
 
+/// tol_o of one row with n >= 1 visible keys, A and V as above, head_dim D and the kernel's
+/// exp_ulp (what tolerance() computes per row).
+double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp);
+
 /// The bounds above for every row of p over its inputs (only rows [row_begin, row_end) of
 /// every head when given; the others stay 0).
 Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <mha/attention.h>
+#include <mha/gemm.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -71,5 +72,39 @@ std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p,
 void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
                         const float* q, const float* k, const float* v, float* o, float* lse,
                         int threads, Workspace ws);
+
+/// One GEMM for parallel_gemm: c = a b (+ bias when not null), a and b packed for the
+/// kernel's tile (mha/gemm.h). The layer runs its Q projection and every KV head's K and V
+/// projections (straight into the cache) as one batch of jobs over one packed X.
+struct GemmJob {
+  GemmProblem p;
+  const float* a = nullptr;  ///< packed A (pack_a)
+  const float* b = nullptr;  ///< packed B (pack_b)
+  const float* bias = nullptr;
+  float* c = nullptr;
+};
+
+/// How the GEMM driver cuts its jobs: tiles of C of kRows rows (rounded up to whole panels of
+/// mr) by kCols columns (rounded up to whole panels of nr), each a kernel call over the whole
+/// depth k. The cut depends on the jobs and the kernel's tile only, and no tile splits k, so
+/// every element is the same accumulation whatever the thread count: bit-identical output.
+/// A tile is at least 512 x 256 x k multiply-adds at prefill (B's k x 256 slab is read from
+/// memory once per 512 rows: 256 multiply-adds per float read) and a decode step's projection
+/// (m = 1, n = 4096) is 16 tiles, for 16 threads.
+struct GemmPlan {
+  static constexpr std::int64_t kRows = 512;
+  static constexpr std::int64_t kCols = 256;
+};
+
+/// Runs the jobs with `kernel` (register tile `tile`) on `threads` threads (0:
+/// default_threads()), the tiles of all jobs dealt out dynamically. Each job must pass
+/// check_gemm and the kernel's contract (c disjoint from every input and from every other
+/// job's c). Needs no workspace and allocates nothing (OpenMP's thread pool aside).
+void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::size_t count,
+                   int threads);
+
+/// pack_a on `threads` threads (0: default_threads()), a panel at a time.
+void parallel_pack_a(std::int64_t m, std::int64_t k, const float* a, std::int64_t lda,
+                     std::int64_t mr, float* packed, int threads);
 
 }  // namespace mha

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <mha/attention.h>
+#include <mha/gemm.h>
 
 #include <string>
 #include <vector>
@@ -77,5 +78,62 @@ void attention(const Problem& p, const float* q, const float* k, const float* v,
 /// the kernel is not available on this CPU.
 void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
                const float* v, float* o, float* lse = nullptr, int threads = 0);
+
+/// One GEMM kernel of kernels/gemm/gemm.inc (mha/gemm.h).
+struct GemmInfo {
+  const char* name;
+  Isa isa;
+  GemmKernel fn;
+  /// Its register tile, for which A and B must be packed. Compiled with the kernel's ISA
+  /// flags like the kernel: call it only where available() holds.
+  GemmTileOf tile;
+};
+
+/// Every GEMM kernel compiled into this build, in list order (slowest first).
+const std::vector<GemmInfo>& all_gemms();
+
+/// Whether `gemm` may run here (its ISA, MHA_MAX_ISA).
+bool available(const GemmInfo& gemm);
+
+/// The GEMM kernel called `name`, or nullptr.
+const GemmInfo* find_gemm(const std::string& name);
+
+/// The last available GEMM kernel in list order.
+const GemmInfo& best_gemm();
+
+/// A matrix B (k x n) packed once for one GEMM kernel (a weight of the layer).
+class PackedMatrix {
+ public:
+  PackedMatrix() = default;
+  /// Packs B, element (l, j) at b[l * row_stride + j * col_stride] (B[k][n]: {n, 1}; a
+  /// PyTorch Linear weight W[n][k], B = W^T: {1, k}), for `kernel`. Throws
+  /// std::invalid_argument when the kernel is not available, a size is not positive or the
+  /// packed size overflows.
+  PackedMatrix(const GemmInfo& kernel, std::int64_t k, std::int64_t n, const float* b,
+               std::int64_t row_stride, std::int64_t col_stride);
+  const GemmInfo* kernel() const { return kernel_; }
+  GemmTile tile() const { return tile_; }
+  std::int64_t k() const { return k_; }
+  std::int64_t n() const { return n_; }
+  const float* data() const { return data_.data(); }
+  /// The packed columns [j0, n) as a matrix of their own: j0 must be a multiple of tile().nr.
+  const float* columns(std::int64_t j0) const {
+    return packed_panel(data(), k_, tile_.nr, j0 / tile_.nr);
+  }
+
+ private:
+  const GemmInfo* kernel_ = nullptr;
+  GemmTile tile_;
+  std::int64_t k_ = 0, n_ = 0;
+  std::vector<float> data_;
+};
+
+/// C = A B (+ bias when not null) with B's kernel, through the GEMM driver (mha/parallel.h)
+/// on `threads` threads (0: MHA_NUM_THREADS, else all cores): A (m x k, rows lda apart) is
+/// packed into a per-thread scratch that only grows, C is m x n with rows ldc apart, bias
+/// has n floats. Validates (std::invalid_argument: sizes, strides, null pointers, C
+/// overlapping A or bias, an empty B). The output does not depend on the thread count.
+void gemm(std::int64_t m, const float* a, std::int64_t lda, const PackedMatrix& b,
+          const float* bias, float* c, std::int64_t ldc, int threads = 0);
 
 }  // namespace mha

@@ -1,0 +1,79 @@
+// gemm avx512: packed SGEMM on AVX-512, C = A B (+ bias) as mha/gemm.h specifies. Read
+// portable.cpp first: the loops (support::gemm_loops), the packing and the blocking are the
+// same; this file is its microkernel.
+//
+// Microkernel: 12 rows x 32 columns, 24 zmm accumulators. Each step l loads the B panel's row
+// l as two vectors and multiplies it by each of the 12 A values of the panel, broadcast
+// (VFMADD231PS with a {1to16} memory operand): 24 FMAs per 2 loads and 12 broadcasts, 26
+// registers of 32. At two FMAs a cycle that is 12 cycles a step, while the 14 loads need 7
+// of the two load ports: the FMA ports are the limit. The B micro-panel (kc x 32 floats, 24
+// KiB at kc = 192) stays in L1 for the mc / 12 A panels of the block, which stream from L2.
+//
+// Tails: rows through with_count (the microkernel for the rows left); columns past n are
+// zero in the packed B, computed, and not stored (masked loads and stores of C and bias).
+//
+// ISA: AVX-512F (and the flags of cmake/isa.cmake's avx512). Depends on mha/gemm.h,
+// mha/support.h, <immintrin.h> and the standard library only.
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "mha/gemm.h"
+#include "mha/support.h"
+
+namespace {
+
+constexpr int kMr = 12;
+constexpr int kNr = 32;
+
+template <int R>
+void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int64_t ldc,
+           std::int64_t cols, bool first, const float* bias) {
+  // Lanes of the two column vectors that are real columns.
+  const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 =
+      cols >= 32 ? __mmask16(0xFFFF) : (cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1));
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    if (first) {
+      acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    } else {
+      acc[r][0] = _mm512_maskz_loadu_ps(m0, c + r * ldc);
+      acc[r][1] = _mm512_maskz_loadu_ps(m1, c + r * ldc + 16);
+    }
+  }
+  for (std::int64_t l = 0; l < kc; ++l) {
+    const __m512 b0 = _mm512_loadu_ps(bp + l * kNr);
+    const __m512 b1 = _mm512_loadu_ps(bp + l * kNr + 16);
+    const float* a = ap + l * kMr;
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+  if (bias != nullptr) {
+    const __m512 bias0 = _mm512_maskz_loadu_ps(m0, bias);
+    const __m512 bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_add_ps(acc[r][0], bias0);
+      acc[r][1] = _mm512_add_ps(acc[r][1], bias1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
+  }
+}
+
+}  // namespace
+
+mha::GemmTile mha_f32_gemm_avx512_tile() { return {kMr, kNr}; }
+
+void mha_f32_gemm_avx512(const mha::GemmProblem& p, const float* a, const float* b,
+                         const float* bias, float* c) {
+  // micro<R> for the rows left (with_count's constant), called as gemm_loops describes.
+  mha::support::gemm_loops<kMr, kNr>(
+      p, a, b, bias, c, [](auto rows, auto... args) { micro<decltype(rows)::value>(args...); });
+}

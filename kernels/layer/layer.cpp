@@ -1,0 +1,268 @@
+// The multi-head attention layer (mha/layer.h): projections and W^O on a registry GEMM
+// kernel through the GEMM driver, attention on a registry kernel through the attention
+// driver, K and V projected straight into the cache.
+//
+//   prefill(X [B][n][d]):
+//     pack X, per sequence (its rows start a panel)              parallel_pack_a
+//     one batch of GEMM jobs, per sequence b:                     parallel_gemm
+//       Q_b = X_b W^Q + b^Q          -> q [B n][H D]
+//       K_b,j = X_b W^K_j + b^K_j    -> cache.k[b][j][len .. len + n)   for each KV head j
+//       V_b,j likewise               -> cache.v
+//     O = Attention(Q, cache K, cache V), bottom-right causal    parallel_attention
+//        (q and o token-major [B][n][H][D], K and V head-major [B][Hkv][capacity][D])
+//     pack O (= Concat(heads), [B n][H D])                        parallel_pack_a
+//     Y = O W^O + b^O                                             parallel_gemm
+//
+// W^K and W^V are packed per KV head (D columns each) so that every job's output rows are
+// rows of the cache whatever D and the kernel's panel width: a job's C is the head's cache
+// rows from position len on, ldc = D.
+#include "mha/layer.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mha/parallel.h"
+
+namespace mha {
+
+namespace {
+
+using detail::sat_mul;
+constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+
+[[noreturn]] void fail(const std::string& where, const std::string& why) {
+  throw std::invalid_argument(where + ": " + why);
+}
+
+bool same_shape(const LayerConfig& a, const LayerConfig& b) {
+  return a.d_model == b.d_model && a.q_heads == b.q_heads && a.kv_heads == b.kv_heads &&
+         a.head_dim == b.head_dim;
+}
+
+std::string shape(const LayerConfig& c) {
+  return "d " + std::to_string(c.d_model) + ", H " + std::to_string(c.q_heads) + ", Hkv " +
+         std::to_string(c.kv_heads) + ", D " + std::to_string(c.head_dim);
+}
+
+// Columns [j0, j0 + cols) of a weight with `in` rows and `out` columns, packed for `gemm`.
+PackedMatrix pack_columns(const GemmInfo& gemm, const float* w, bool transposed, std::int64_t in,
+                          std::int64_t out, std::int64_t j0, std::int64_t cols) {
+  if (transposed) return PackedMatrix(gemm, in, cols, w + j0 * in, 1, in);
+  return PackedMatrix(gemm, in, cols, w + j0, out, 1);
+}
+
+std::vector<float> copy_bias(const float* b, std::int64_t n) {
+  return b != nullptr ? std::vector<float>(b, b + n) : std::vector<float>();
+}
+
+const float* bias_at(const std::vector<float>& b, std::int64_t offset) {
+  return b.empty() ? nullptr : b.data() + offset;
+}
+
+// Grows v to at least n elements, freeing the old buffer first (the peak is the new size).
+template <typename T>
+T* grow(std::vector<T>& v, std::int64_t n) {
+  if (v.size() < static_cast<std::size_t>(n)) {
+    v.clear();
+    v.shrink_to_fit();
+    v.resize(static_cast<std::size_t>(n));
+  }
+  return v.data();
+}
+
+// The calling thread's scratch, grown to the largest call so far.
+struct Scratch {
+  std::vector<float> packed_x, q, o, packed_o;
+  std::vector<unsigned char> attention;
+  std::vector<GemmJob> jobs;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+}  // namespace
+
+std::string check(const LayerConfig& c) {
+  const struct {
+    const char* name;
+    std::int64_t value;
+  } sizes[] = {{"d_model", c.d_model},
+               {"q_heads", c.q_heads},
+               {"kv_heads", c.kv_heads},
+               {"head_dim", c.head_dim}};
+  for (const auto& s : sizes) {
+    if (s.value < 1)
+      return std::string(s.name) + " must be positive, got " + std::to_string(s.value);
+  }
+  if (c.q_heads % c.kv_heads != 0) {
+    return "q_heads (" + std::to_string(c.q_heads) + ") must be a multiple of kv_heads (" +
+           std::to_string(c.kv_heads) + ")";
+  }
+  // The largest weight holds d H D floats, each packed with at most 64 columns of padding.
+  if (sat_mul(sat_mul(c.d_model, c.q_heads), c.head_dim + 64) == kMax) {
+    return "the weights' sizes (" + shape(c) + ") overflow int64";
+  }
+  return {};
+}
+
+KvCache::KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t capacity)
+    : config_(config), batch_(batch), capacity_(capacity) {
+  if (const std::string why = check(config); !why.empty()) fail("KvCache", why);
+  if (batch < 1 || capacity < 1) {
+    fail("KvCache", "batch and capacity must be positive, got batch " + std::to_string(batch) +
+                        ", capacity " + std::to_string(capacity));
+  }
+  const std::int64_t floats =
+      sat_mul(sat_mul(sat_mul(batch, config.kv_heads), capacity), config.head_dim);
+  if (floats == kMax || static_cast<std::uint64_t>(floats) > k_.max_size() / 2) {
+    fail("KvCache", "the cache's size overflows");
+  }
+  k_.resize(static_cast<std::size_t>(floats));
+  v_.resize(static_cast<std::size_t>(floats));
+}
+
+std::size_t KvCache::bytes(const LayerConfig& config, std::int64_t batch, std::int64_t capacity) {
+  return 2 * static_cast<std::size_t>(batch) * static_cast<std::size_t>(config.kv_heads) *
+         static_cast<std::size_t>(capacity) * static_cast<std::size_t>(config.head_dim) *
+         sizeof(float);
+}
+
+void KvCache::truncate(std::int64_t length) {
+  if (length < 0 || length > length_) {
+    fail("KvCache::truncate",
+         "length must be in [0, " + std::to_string(length_) + "], got " + std::to_string(length));
+  }
+  length_ = length;
+}
+
+Strides KvCache::strides() const {
+  return {config_.kv_heads * capacity_ * config_.head_dim, config_.head_dim,
+          capacity_ * config_.head_dim};
+}
+
+Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string& gemm,
+             const std::string& attention)
+    : config_(config) {
+  if (const std::string why = check(config); !why.empty()) fail("Layer", why);
+  if (w.wq == nullptr || w.wk == nullptr || w.wv == nullptr || w.wo == nullptr) {
+    fail("Layer", "wq, wk, wv and wo must not be null");
+  }
+  gemm_ = gemm.empty() ? &best_gemm() : find_gemm(gemm);
+  if (gemm_ == nullptr) fail("Layer", "unknown gemm kernel '" + gemm + "'");
+  attention_ = attention.empty() ? &best_kernel() : find_kernel(attention);
+  if (attention_ == nullptr) fail("Layer", "unknown attention kernel '" + attention + "'");
+  if (!available(*attention_)) {
+    fail("Layer", "attention kernel '" + std::string(attention_->name) + "' needs " +
+                      isa_name(attention_->isa) + ", which this CPU lacks or MHA_MAX_ISA excludes");
+  }
+  const std::int64_t d = config.d_model, D = config.head_dim;
+  const std::int64_t hd = config.q_heads * D, kvd = config.kv_heads * D;
+  // PackedMatrix checks the GEMM kernel's availability.
+  wq_ = pack_columns(*gemm_, w.wq, w.transposed, d, hd, 0, hd);
+  for (std::int64_t j = 0; j < config.kv_heads; ++j) {
+    wk_.push_back(pack_columns(*gemm_, w.wk, w.transposed, d, kvd, j * D, D));
+    wv_.push_back(pack_columns(*gemm_, w.wv, w.transposed, d, kvd, j * D, D));
+  }
+  wo_ = pack_columns(*gemm_, w.wo, w.transposed, hd, d, 0, d);
+  bq_ = copy_bias(w.bq, hd);
+  bk_ = copy_bias(w.bk, kvd);
+  bv_ = copy_bias(w.bv, kvd);
+  bo_ = copy_bias(w.bo, d);
+}
+
+void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bool causal,
+                    int threads) const {
+  const char* where = "Layer::prefill";
+  if (!same_shape(cache.config(), config_)) {
+    fail(where, "the cache is for another layer shape (" + shape(cache.config()) +
+                    "; the layer's: " + shape(config_) + ")");
+  }
+  if (n < 1) fail(where, "n must be positive, got " + std::to_string(n));
+  if (n > cache.capacity() - cache.length()) {
+    fail(where, "the KV cache is full: " + std::to_string(cache.length()) + " of " +
+                    std::to_string(cache.capacity()) + " positions used, " + std::to_string(n) +
+                    " more requested");
+  }
+  if (x == nullptr || y == nullptr) fail(where, "x and y must not be null");
+  const std::int64_t B = cache.batch(), d = config_.d_model, D = config_.head_dim;
+  const std::int64_t H = config_.q_heads, Hkv = config_.kv_heads, hd = H * D;
+  // n <= capacity, and B Hkv capacity D floats exist, but B n d and B n H D may still not.
+  const std::int64_t rows = sat_mul(B, n);
+  if (sat_mul(rows, std::max(d, hd)) == kMax) fail(where, "the activations' size overflows int64");
+  const auto begin = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  const std::uintptr_t bytes = static_cast<std::uintptr_t>(rows * d) * sizeof(float);
+  if (begin(x) < begin(y) + bytes && begin(y) < begin(x) + bytes) fail(where, "y overlaps x");
+  if (threads <= 0) threads = default_threads();
+
+  const GemmTile tile = wq_.tile();
+  Scratch& s = scratch();
+  const std::int64_t packed_rows = packed_floats(n, d, tile.mr);  // one sequence's packed X
+  float* packed_x = grow(s.packed_x, B * packed_rows);
+  float* q = grow(s.q, rows * hd);
+  float* o = grow(s.o, rows * hd);
+  float* packed_o = grow(s.packed_o, packed_floats(rows, hd, tile.mr));
+  for (std::int64_t b = 0; b < B; ++b) {
+    parallel_pack_a(n, d, x + b * n * d, d, tile.mr, packed_x + b * packed_rows, threads);
+  }
+
+  // Projections: per sequence, Q and each KV head's K and V rows, into the cache.
+  const std::int64_t len = cache.length();
+  const Strides kv = cache.strides();
+  s.jobs.clear();
+  for (std::int64_t b = 0; b < B; ++b) {
+    const float* a = packed_x + b * packed_rows;
+    s.jobs.push_back({{n, hd, d, hd}, a, wq_.data(), bias_at(bq_, 0), q + b * n * hd});
+    for (std::int64_t j = 0; j < Hkv; ++j) {
+      const std::int64_t at = b * kv.batch + j * kv.head + len * kv.seq;
+      s.jobs.push_back({{n, D, d, D},
+                        a,
+                        wk_[static_cast<std::size_t>(j)].data(),
+                        bias_at(bk_, j * D),
+                        cache.k_.data() + at});
+      s.jobs.push_back({{n, D, d, D},
+                        a,
+                        wv_[static_cast<std::size_t>(j)].data(),
+                        bias_at(bv_, j * D),
+                        cache.v_.data() + at});
+    }
+  }
+  parallel_gemm(gemm_->fn, tile, s.jobs.data(), s.jobs.size(), threads);
+  cache.length_ = len + n;
+
+  // Attention of the n new queries over the len + n cached keys.
+  Problem p = make_problem(B, n, len + n, H, Hkv, D, causal);
+  p.k = p.v = kv;
+  const WorkspaceSize kernel_ws = attention_->workspace;
+  Workspace ws{
+      grow(s.attention, static_cast<std::int64_t>(parallel_workspace(kernel_ws, p, threads))),
+      s.attention.size()};
+  parallel_attention(attention_->fn, kernel_ws, p, q, cache.k(), cache.v(), o, nullptr, threads,
+                     ws);
+
+  // Y = Concat(heads) W^O + b^O: o is token-major [B n][H D], the concatenation itself.
+  parallel_pack_a(rows, hd, o, hd, tile.mr, packed_o, threads);
+  const GemmJob out{{rows, d, hd, d}, packed_o, wo_.data(), bias_at(bo_, 0), y};
+  parallel_gemm(gemm_->fn, tile, &out, 1, threads);
+}
+
+void Layer::decode(const float* x, float* y, KvCache& cache, int threads) const {
+  prefill(x, 1, y, cache, true, threads);
+}
+
+void Layer::forward(const float* x, std::int64_t batch, std::int64_t n, float* y, bool causal,
+                    int threads) const {
+  if (batch < 1 || n < 1) {
+    fail("Layer::forward", "batch and n must be positive, got batch " + std::to_string(batch) +
+                               ", n " + std::to_string(n));
+  }
+  KvCache cache(config_, batch, n);
+  prefill(x, n, y, cache, causal, threads);
+}
+
+}  // namespace mha

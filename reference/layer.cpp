@@ -1,0 +1,121 @@
+#include "layer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tolerance.h"
+
+namespace mha::ref {
+
+namespace {
+
+// Element (l, j) of a weight with `in` rows and `out` columns, as LayerWeights stores it.
+double weight(const float* w, bool transposed, std::int64_t in, std::int64_t out, std::int64_t l,
+              std::int64_t j) {
+  return transposed ? w[j * in + l] : w[l * out + j];
+}
+
+// P = X W + b over `len` rows, and M = |X| |W| + |b|, both [len][out].
+void project(const float* x, std::int64_t len, std::int64_t in, const float* w, const float* b,
+             bool transposed, std::int64_t out, std::vector<double>& p, std::vector<double>& m) {
+  p.assign(static_cast<std::size_t>(len * out), 0.0);
+  m.assign(p.size(), 0.0);
+  for (std::int64_t i = 0; i < len; ++i) {
+    for (std::int64_t j = 0; j < out; ++j) {
+      double s = b != nullptr ? b[j] : 0.0, a = b != nullptr ? std::fabs(b[j]) : 0.0;
+      for (std::int64_t l = 0; l < in; ++l) {
+        const double t = static_cast<double>(x[i * in + l]) * weight(w, transposed, in, out, l, j);
+        s += t;
+        a += std::fabs(t);
+      }
+      p[static_cast<std::size_t>(i * out + j)] = s;
+      m[static_cast<std::size_t>(i * out + j)] = a;
+    }
+  }
+}
+
+}  // namespace
+
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp) {
+  const std::int64_t d = c.d_model, H = c.q_heads, Hkv = c.kv_heads, D = c.head_dim;
+  const std::int64_t hd = H * D, kvd = Hkv * D, g = H / Hkv;
+  // The fp32 scale the layer's attention uses (make_problem's).
+  const double scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const double gamma_in = gamma(static_cast<double>(d) + 1.0);
+  const double gamma_out = gamma(static_cast<double>(hd) + 1.0);
+  LayerResult r;
+  r.rows = len - first;
+  r.d_model = d;
+  r.y.assign(static_cast<std::size_t>(batch * r.rows * d), 0.0);
+  r.tol.assign(r.y.size(), 0.0);
+  std::vector<double> q, qm, k, km, v, vm;
+  std::vector<double> o(static_cast<std::size_t>(hd)), eo(static_cast<std::size_t>(H));
+  std::vector<double> s(static_cast<std::size_t>(len));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const float* xb = x + b * len * d;
+    project(xb, len, d, w.wq, w.bq, w.transposed, hd, q, qm);
+    project(xb, len, d, w.wk, w.bk, w.transposed, kvd, k, km);
+    project(xb, len, d, w.wv, w.bv, w.transposed, kvd, v, vm);
+    for (std::int64_t i = first; i < len; ++i) {
+      const std::int64_t n = causal ? i + 1 : len;  // visible keys: positions [0, n)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t j = h / g;
+        const auto qi = [&](std::int64_t e) {
+          return static_cast<std::size_t>(i * hd + h * D + e);
+        };
+        const auto kt = [&](std::int64_t t, std::int64_t e) {
+          return static_cast<std::size_t>(t * kvd + j * D + e);
+        };
+        // Exact attention, two-pass softmax.
+        double max = -INFINITY;
+        double sigma = 0.0, a_moved = 0.0, v_max = 0.0, ev_max = 0.0, v_moved = 0.0;
+        for (std::int64_t t = 0; t < n; ++t) {
+          double dot = 0.0, moved = 0.0, bound = 0.0;
+          for (std::int64_t e = 0; e < D; ++e) {
+            const double eq = gamma_in * qm[qi(e)], ek = gamma_in * km[kt(t, e)];
+            const double aq = std::fabs(q[qi(e)]), ak = std::fabs(k[kt(t, e)]);
+            dot += q[qi(e)] * k[kt(t, e)];
+            moved += eq * ak + aq * ek + eq * ek;
+            bound += (aq + eq) * (ak + ek);
+            const double ev = gamma_in * vm[kt(t, e)], av = std::fabs(v[kt(t, e)]);
+            v_max = std::max(v_max, av);
+            ev_max = std::max(ev_max, ev);
+            v_moved = std::max(v_moved, av + ev);
+          }
+          s[static_cast<std::size_t>(t)] = scale * dot;
+          max = std::max(max, s[static_cast<std::size_t>(t)]);
+          sigma = std::max(sigma, scale * moved);
+          a_moved = std::max(a_moved, scale * bound);
+        }
+        double sum = 0.0;
+        for (std::int64_t t = 0; t < n; ++t) sum += std::exp(s[static_cast<std::size_t>(t)] - max);
+        for (std::int64_t e = 0; e < D; ++e) o[static_cast<std::size_t>(h * D + e)] = 0.0;
+        for (std::int64_t t = 0; t < n; ++t) {
+          const double p = std::exp(s[static_cast<std::size_t>(t)] - max) / sum;
+          for (std::int64_t e = 0; e < D; ++e)
+            o[static_cast<std::size_t>(h * D + e)] += p * v[kt(t, e)];
+        }
+        eo[static_cast<std::size_t>(h)] = o_bound(a_moved, v_moved, n, D, exp_ulp) +
+                                          std::min(2.0, std::expm1(2.0 * sigma)) * v_max + ev_max;
+      }
+      // Y = O W^O + b^O and its bound.
+      for (std::int64_t col = 0; col < d; ++col) {
+        double y = w.bo != nullptr ? w.bo[col] : 0.0;
+        double magnitude = w.bo != nullptr ? std::fabs(w.bo[col]) : 0.0, carried = 0.0;
+        for (std::int64_t row = 0; row < hd; ++row) {
+          const double wo = weight(w.wo, w.transposed, hd, d, row, col);
+          const double e = eo[static_cast<std::size_t>(row / D)];
+          y += o[static_cast<std::size_t>(row)] * wo;
+          magnitude += (std::fabs(o[static_cast<std::size_t>(row)]) + e) * std::fabs(wo);
+          carried += e * std::fabs(wo);
+        }
+        r.y[r.at(b, i - first, col)] = y;
+        r.tol[r.at(b, i - first, col)] = gamma_out * magnitude + carried;
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace mha::ref
