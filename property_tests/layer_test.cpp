@@ -295,6 +295,43 @@ TEST_P(LayerTest, GqaEqualsMhaWithRepeatedKvWeights) {
   });
 }
 
+// Decode steps after a past restored with KvCache::append (K and V taken as exact): each
+// step matches the reference layer that continues the same past.
+TEST_P(LayerTest, DecodeAfterAnAppendedPastMatchesReference) {
+  check_property([&] {
+    Model m = *gen_model(6);
+    m.causal = true;
+    const std::int64_t past = *rc::gen::inRange<std::int64_t>(1, 300);
+    const std::int64_t D = m.c.head_dim, Hkv = m.c.kv_heads, d = m.c.d_model;
+    const std::vector<float> k = values(m.batch * Hkv * past * D, 1.0f);
+    const std::vector<float> v = values(m.batch * Hkv * past * D, 1.0f);
+    const Layer layer(m.c, m.weights(), gemm_kernel().name);
+    KvCache cache(m.c, m.batch, past + m.len);
+    cache.append(k.data(), v.data(), past);
+    const ref::PastKv given{k.data(), v.data(), {Hkv * past * D, D, past * D}, past};
+    for (std::int64_t t = 0; t < m.len; ++t) {
+      const std::vector<float> x = tokens(m, t, t + 1);
+      std::vector<float> y(x.size());
+      layer.decode(x.data(), y.data(), cache, 2);
+      Model upto = m;
+      upto.len = t + 1;
+      upto.x = tokens(m, 0, t + 1);
+      const ref::LayerResult r = ref::layer(upto.c, upto.weights(), upto.x.data(), m.batch, t + 1,
+                                            t, true, layer.attention_kernel().exp_ulp, given);
+      for (std::int64_t b = 0; b < m.batch; ++b) {
+        for (std::int64_t col = 0; col < d; ++col) {
+          const double got = y[static_cast<std::size_t>(b * d + col)];
+          MHA_RC_ASSERT(std::fabs(got - r.y[r.at(b, 0, col)]) <= r.tol[r.at(b, 0, col)],
+                        "decode step " << t << " after " << past << " past tokens, sequence " << b
+                                       << ", column " << col << ": " << got << ", reference "
+                                       << r.y[r.at(b, 0, col)] << ", bound "
+                                       << r.tol[r.at(b, 0, col)]);
+        }
+      }
+    }
+  });
+}
+
 TEST_P(LayerTest, ThreadCountDoesNotChangeABit) {
   check_property([&] {
     const Model m = *gen_model();
@@ -343,6 +380,10 @@ TEST(KvCache, FullRejectsOneMoreTokenAndKeepsItsContents) {
   EXPECT_TRUE(std::equal(k.begin(), k.end(), cache.k()));
   EXPECT_TRUE(std::equal(v.begin(), v.end(), cache.v()));
   EXPECT_TRUE(std::all_of(y_token.begin(), y_token.end(), [](float f) { return f == 7.0f; }));
+  EXPECT_EQ(error_of([&] { cache.append(k.data(), v.data(), 1); }),
+            "KvCache::append: the KV cache is full: 3 of 3 positions used, 1 more requested");
+  EXPECT_EQ(error_of([&] { cache.append(nullptr, v.data(), 1); }),
+            "KvCache::append: k and v must not be null");
   EXPECT_EQ(error_of([&] { cache.truncate(4); }),
             "KvCache::truncate: length must be in [0, 3], got 4");
   // The third token forgotten: room for one more, which takes its place. Every token of x is

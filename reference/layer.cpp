@@ -38,6 +38,12 @@ void project(const float* x, std::int64_t len, std::int64_t in, const float* w, 
 
 LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
                   std::int64_t len, std::int64_t first, bool causal, double exp_ulp) {
+  return layer(c, w, x, batch, len, first, causal, exp_ulp, PastKv{});
+}
+
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
+                  const PastKv& past) {
   const std::int64_t d = c.d_model, H = c.q_heads, Hkv = c.kv_heads, D = c.head_dim;
   const std::int64_t hd = H * D, kvd = Hkv * D, g = H / Hkv;
   // The fp32 scale the layer's attention uses (make_problem's).
@@ -51,21 +57,33 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
   r.tol.assign(r.y.size(), 0.0);
   std::vector<double> q, qm, k, km, v, vm;
   std::vector<double> o(static_cast<std::size_t>(hd)), eo(static_cast<std::size_t>(H));
-  std::vector<double> s(static_cast<std::size_t>(len));
+  const std::int64_t keys = past.length + len;
+  std::vector<double> s(static_cast<std::size_t>(keys));
   for (std::int64_t b = 0; b < batch; ++b) {
     const float* xb = x + b * len * d;
     project(xb, len, d, w.wq, w.bq, w.transposed, hd, q, qm);
     project(xb, len, d, w.wk, w.bk, w.transposed, kvd, k, km);
     project(xb, len, d, w.wv, w.bv, w.transposed, kvd, v, vm);
     for (std::int64_t i = first; i < len; ++i) {
-      const std::int64_t n = causal ? i + 1 : len;  // visible keys: positions [0, n)
+      // Visible keys: positions [0, n); the first past.length are the past's.
+      const std::int64_t n = causal ? past.length + i + 1 : keys;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t j = h / g;
         const auto qi = [&](std::int64_t e) {
           return static_cast<std::size_t>(i * hd + h * D + e);
         };
-        const auto kt = [&](std::int64_t t, std::int64_t e) {
-          return static_cast<std::size_t>(t * kvd + j * D + e);
+        // Key t's K (or V) element e, and its magnitude sum |X| |W| + |b| (0 for the past's,
+        // which are exact).
+        const auto kv = [&](std::int64_t t, std::int64_t e, bool value, double* m) {
+          if (t < past.length) {
+            *m = 0.0;
+            const std::int64_t at =
+                b * past.strides.batch + t * past.strides.seq + j * past.strides.head + e;
+            return static_cast<double>(value ? past.v[at] : past.k[at]);
+          }
+          const auto at = static_cast<std::size_t>((t - past.length) * kvd + j * D + e);
+          *m = value ? vm[at] : km[at];
+          return value ? v[at] : k[at];
         };
         // Exact attention, two-pass softmax.
         double max = -INFINITY;
@@ -73,12 +91,14 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
         for (std::int64_t t = 0; t < n; ++t) {
           double dot = 0.0, moved = 0.0, bound = 0.0;
           for (std::int64_t e = 0; e < D; ++e) {
-            const double eq = gamma_in * qm[qi(e)], ek = gamma_in * km[kt(t, e)];
-            const double aq = std::fabs(q[qi(e)]), ak = std::fabs(k[kt(t, e)]);
-            dot += q[qi(e)] * k[kt(t, e)];
+            double mk = 0.0, mv = 0.0;
+            const double kte = kv(t, e, false, &mk), vte = kv(t, e, true, &mv);
+            const double eq = gamma_in * qm[qi(e)], ek = gamma_in * mk;
+            const double aq = std::fabs(q[qi(e)]), ak = std::fabs(kte);
+            dot += q[qi(e)] * kte;
             moved += eq * ak + aq * ek + eq * ek;
             bound += (aq + eq) * (ak + ek);
-            const double ev = gamma_in * vm[kt(t, e)], av = std::fabs(v[kt(t, e)]);
+            const double ev = gamma_in * mv, av = std::fabs(vte);
             v_max = std::max(v_max, av);
             ev_max = std::max(ev_max, ev);
             v_moved = std::max(v_moved, av + ev);
@@ -93,8 +113,10 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
         for (std::int64_t e = 0; e < D; ++e) o[static_cast<std::size_t>(h * D + e)] = 0.0;
         for (std::int64_t t = 0; t < n; ++t) {
           const double p = std::exp(s[static_cast<std::size_t>(t)] - max) / sum;
-          for (std::int64_t e = 0; e < D; ++e)
-            o[static_cast<std::size_t>(h * D + e)] += p * v[kt(t, e)];
+          for (std::int64_t e = 0; e < D; ++e) {
+            double unused = 0.0;
+            o[static_cast<std::size_t>(h * D + e)] += p * kv(t, e, true, &unused);
+          }
         }
         eo[static_cast<std::size_t>(h)] = o_bound(a_moved, v_moved, n, D, exp_ulp) +
                                           std::min(2.0, std::expm1(2.0 * sigma)) * v_max + ev_max;

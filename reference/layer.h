@@ -49,4 +49,19 @@ struct LayerResult {
 LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
                   std::int64_t len, std::int64_t first, bool causal, double exp_ulp);
 
+/// K and V of `length` tokens already in a cache, taken as exact (eK = eV = 0):
+/// k[b * strides.batch + t * strides.seq + j * strides.head + e], likewise v.
+struct PastKv {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  Strides strides;
+  std::int64_t length = 0;
+};
+
+/// The same after `past`: x [batch][len][d] are new tokens at positions past.length + 0 ..
+/// past.length + len - 1, whose keys follow the past ones; rows are counted in x.
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
+                  const PastKv& past);
+
 }  // namespace mha::ref

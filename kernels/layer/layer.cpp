@@ -133,6 +133,27 @@ std::size_t KvCache::bytes(const LayerConfig& config, std::int64_t batch, std::i
          sizeof(float);
 }
 
+void KvCache::append(const float* k, const float* v, std::int64_t n) {
+  if (n < 1) fail("KvCache::append", "n must be positive, got " + std::to_string(n));
+  if (k == nullptr || v == nullptr) fail("KvCache::append", "k and v must not be null");
+  if (n > capacity_ - length_) {
+    fail("KvCache::append", "the KV cache is full: " + std::to_string(length_) + " of " +
+                                std::to_string(capacity_) + " positions used, " +
+                                std::to_string(n) + " more requested");
+  }
+  const Strides s = strides();
+  const std::int64_t D = config_.head_dim;
+  for (std::int64_t b = 0; b < batch_; ++b) {
+    for (std::int64_t j = 0; j < config_.kv_heads; ++j) {
+      const std::int64_t from = (b * config_.kv_heads + j) * n * D;
+      const std::int64_t to = b * s.batch + j * s.head + length_ * s.seq;
+      std::copy(k + from, k + from + n * D, k_.begin() + to);
+      std::copy(v + from, v + from + n * D, v_.begin() + to);
+    }
+  }
+  length_ += n;
+}
+
 void KvCache::truncate(std::int64_t length) {
   if (length < 0 || length > length_) {
     fail("KvCache::truncate",

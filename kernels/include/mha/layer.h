@@ -93,6 +93,11 @@ class KvCache {
   /// conversation). Throws std::invalid_argument unless 0 <= length <= length().
   void truncate(std::int64_t length);
 
+  /// Appends n tokens' K and V given head-major and dense, k[b][j][t][D] for t < n (likewise
+  /// v): a cache restored from elsewhere. Throws std::invalid_argument, writing nothing,
+  /// when n is not positive, a pointer is null or fewer than n positions are free.
+  void append(const float* k, const float* v, std::int64_t n);
+
   /// K and V, [batch][kv_heads][capacity][head_dim]; positions >= length() are unspecified.
   const float* k() const { return k_.data(); }
   const float* v() const { return v_.data(); }
