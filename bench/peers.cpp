@@ -12,6 +12,7 @@
 #include <mutex>
 #include <new>
 #include <sstream>
+#include <utility>
 
 namespace mha::bench {
 
@@ -53,6 +54,32 @@ std::string paths(const std::vector<const float*>& tensors) {
   std::string out;
   for (const float* t : tensors) out += (out.empty() ? "" : ",") + shared_path(t);
   return out;
+}
+
+std::string gemm_fields(const GemmShape& s) {
+  std::ostringstream os;
+  os << "m=" << s.m << " n=" << s.n << " k=" << s.k;
+  return os.str();
+}
+
+std::string layer_fields(const LayerShape& s) {
+  std::ostringstream os;
+  os << "batch=" << s.batch << " d=" << s.d << " heads=" << s.heads << " kv_heads=" << s.kv_heads
+     << " head_dim=" << s.head_dim << " n=" << s.n << " past=" << s.past
+     << " causal=" << (s.causal ? 1 : 0) << " bias=" << (s.bias ? 1 : 0);
+  return os.str();
+}
+
+// Appends " <name>=<path>" for memory from shared_allocate; otherwise says why in `why` and
+// returns false (the server could not map it).
+bool add_path(std::ostringstream& os, const char* name, const void* p, std::string* why) {
+  const std::string path = shared_path(p);
+  if (path.empty()) {
+    *why = std::string(name) + " is not memory from shared_allocate";
+    return false;
+  }
+  os << " " << name << "=" << path;
+  return true;
 }
 
 // "ok 0.0123" -> 0.0123; anything else -> -1 with `why` the reply after its first word.
@@ -164,11 +191,19 @@ std::string PeerServer::request(const std::string& line) {
   return reply;
 }
 
-bool PeerServer::supports(const std::string& peer, const Problem& p, std::string* why) {
-  const std::string reply = request("supports " + peer + " " + problem_fields(p));
+bool PeerServer::yes(const std::string& line, std::string* why) {
+  const std::string reply = request(line);
   if (reply == "yes") return true;
-  *why = reply.rfind("no ", 0) == 0 ? reply.substr(3) : "the peer server did not answer";
+  if (reply.rfind("no ", 0) == 0) {
+    *why = reply.substr(3);
+  } else {
+    *why = reply.empty() ? "the peer server did not answer" : "the peer server said: " + reply;
+  }
   return false;
+}
+
+bool PeerServer::supports(const std::string& peer, const Problem& p, std::string* why) {
+  return yes("supports " + peer + " " + problem_fields(p), why);
 }
 
 double PeerServer::prepare(const std::string& peer, const Problem& p, int threads,
@@ -177,6 +212,46 @@ double PeerServer::prepare(const std::string& peer, const Problem& p, int thread
   std::ostringstream os;
   os << "prepare " << peer << " " << problem_fields(p) << " threads=" << threads
      << " q=" << paths(q) << " k=" << paths(k) << " v=" << paths(v) << " o=" << shared_path(o);
+  return seconds_from(request(os.str()), why);
+}
+
+bool PeerServer::supports_gemm(const std::string& peer, const GemmShape& s, std::string* why) {
+  return yes("supports_gemm " + peer + " " + gemm_fields(s), why);
+}
+
+double PeerServer::prepare_gemm(const std::string& peer, const GemmShape& s, int threads,
+                                const float* a, const float* b, float* c, std::string* why) {
+  std::ostringstream os;
+  os << "prepare_gemm " << peer << " " << gemm_fields(s) << " threads=" << threads;
+  if (!add_path(os, "a", a, why) || !add_path(os, "b", b, why) || !add_path(os, "c", c, why)) {
+    return -1.0;
+  }
+  return seconds_from(request(os.str()), why);
+}
+
+bool PeerServer::supports_layer(const std::string& peer, const LayerShape& s, std::string* why) {
+  return yes("supports_layer " + peer + " " + layer_fields(s), why);
+}
+
+double PeerServer::prepare_layer(const std::string& peer, const LayerShape& s, int threads,
+                                 const LayerTensors& t, std::string* why) {
+  std::ostringstream os;
+  os << "prepare_layer " << peer << " " << layer_fields(s) << " threads=" << threads;
+  const std::pair<const char*, const void*> always[] = {{"x", t.x},   {"wq", t.wq}, {"wk", t.wk},
+                                                        {"wv", t.wv}, {"wo", t.wo}, {"y", t.y}};
+  const std::pair<const char*, const void*> biases[] = {
+      {"bq", t.bq}, {"bk", t.bk}, {"bv", t.bv}, {"bo", t.bo}};
+  const std::pair<const char*, const void*> caches[] = {{"k_cache", t.k_cache},
+                                                        {"v_cache", t.v_cache}};
+  for (const auto& [name, p] : always) {
+    if (!add_path(os, name, p, why)) return -1.0;
+  }
+  for (const auto& [name, p] : biases) {
+    if (s.bias && !add_path(os, name, p, why)) return -1.0;
+  }
+  for (const auto& [name, p] : caches) {  // optional without past tokens
+    if ((s.past > 0 || p != nullptr) && !add_path(os, name, p, why)) return -1.0;
+  }
   return seconds_from(request(os.str()), why);
 }
 

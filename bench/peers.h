@@ -10,22 +10,45 @@
 //   client:  supports <name> <problem>  ->  yes | no <why>
 //            prepare <name> <problem> threads=<n> q=<paths> k=<paths> v=<paths> o=<path>
 //                                       ->  ok <seconds of one call> | error <why>
+//            supports_gemm <name> <gemm>  ->  yes | no <why>
+//            prepare_gemm <name> <gemm> threads=<n> a=<path> b=<path> c=<path>
+//                                       ->  ok <seconds of one call> | error <why>
+//            supports_layer <name> <layer>  ->  yes | no <why>
+//            prepare_layer <name> <layer> threads=<n> x=<path> wq=<path> wk=<path>
+//                    wv=<path> wo=<path> [bq= bk= bv= bo=<path>] [k_cache= v_cache=<path>]
+//                    y=<path>                ->  ok <seconds of one call> | error <why>
 //            run <n>                    ->  ok <seconds of n calls> | error <why>
 //            release                    ->  ok
 //   <problem>: batch= q_len= kv_len= q_heads= kv_heads= head_dim= causal= scale= and each
 //   tensor's element strides, q_strides=<batch>,<seq>,<head> (and k_, v_, o_strides).
 //   <paths>: comma-separated files, one per copy of the tensor (decode rotates over copies).
+//   <gemm>: m= n= k=, for C[m][n] = A[m][k] B[k][n]; <path>: one file, one copy.
+//   <layer>: batch= d= heads= kv_heads= head_dim= n= past= causal=0|1 bias=0|1, the whole
+//   attention layer (mha/layer.h) on n new tokens of each of `batch` sequences with `past`
+//   tokens already in the cache (LayerShape, LayerTensors below). The biases are sent with
+//   bias=1 only; the caches are required when past > 0, optional when past = 0.
+//
+// Every peer computes one kind of problem: peer-torch-sdpa, peer-ort-attention, peer-ort-gqa
+// and peer-openvino-sdpa attention, peer-torch-matmul GEMMs, peer-torch-layer layers. A
+// supports request of another kind is answered `no <name> computes <kind> problems, not
+// <kind>`, and a prepare of another kind is an error. run and release serve every kind.
 //
 // The tensors are never copied: every Workspace tensor lives in a memfd mapping (see
 // SharedAllocator) that the server maps through /proc/<pid>/fd. `prepare` builds the peer's
 // session for the problem and calls it once on copy 0, writing o, which mha_bench checks
 // against the reference like any kernel's output; `run` times n calls in the server (with
-// time.perf_counter, copies rotating), so the pipe's latency is not in the figure.
+// time.perf_counter, copies rotating), so the pipe's latency is not in the figure. Likewise
+// prepare_gemm and prepare_layer call once, writing c or y; the peer may convert what a user
+// would hold in another layout there, outside timing (the layer's nn.Linear weights, and
+// its cache as a torch tensor, copied: the shared k_cache and v_cache are never written).
+// A layer call writes the new tokens' K and V to cache positions [past, past + n) of its
+// own cache every time, so the n calls of a run are n identical steps.
 #pragma once
 
 #include <mha/attention.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -53,8 +76,52 @@ struct SharedAllocator {
 
 /// One framework the server could load.
 struct PeerInfo {
-  std::string name;     ///< peer-torch-sdpa, peer-ort-attention, peer-ort-gqa, peer-openvino-sdpa
+  /// Attention: peer-torch-sdpa, peer-ort-attention, peer-ort-gqa, peer-openvino-sdpa;
+  /// GEMM: peer-torch-matmul; layer: peer-torch-layer.
+  std::string name;
   std::string version;  ///< e.g. torch-2.15.0
+};
+
+/// One GEMM, C[m][n] = A[m][k] B[k][n], every matrix fp32, dense, row-major.
+struct GemmShape {
+  std::int64_t m = 0, n = 0, k = 0;
+};
+
+/// One call of the attention layer (mha/layer.h) on n new tokens of each of `batch`
+/// sequences, with `past` tokens already in the cache, capacity past + n. The attention
+/// scale is 1 / sqrt(head_dim); causal is bottom-right (query i sees cache positions
+/// j <= past + i).
+struct LayerShape {
+  std::int64_t batch = 0;
+  std::int64_t d = 0;         ///< model width
+  std::int64_t heads = 0;     ///< H
+  std::int64_t kv_heads = 0;  ///< Hkv, dividing H
+  std::int64_t head_dim = 0;  ///< D
+  std::int64_t n = 0;         ///< new tokens per sequence
+  std::int64_t past = 0;      ///< tokens already cached per sequence
+  bool causal = true;
+  bool bias = false;  ///< whether bq, bk, bv and bo are given
+};
+
+/// The layer's tensors, fp32, dense, row-major, each from shared_allocate: x [batch][n][d];
+/// the weights as the math writes them, [in][out]: wq [d][H D], wk and wv [d][Hkv D], wo
+/// [H D][d]; the biases (null unless LayerShape::bias) bq [H D], bk and bv [Hkv D], bo [d];
+/// the KV cache, head-major k_cache and v_cache [batch][Hkv][past + n][D], whose first
+/// `past` positions hold the past tokens' K and V (read only; may be null when past = 0);
+/// the output y [batch][n][d].
+struct LayerTensors {
+  const float* x = nullptr;
+  const float* wq = nullptr;
+  const float* wk = nullptr;
+  const float* wv = nullptr;
+  const float* wo = nullptr;
+  const float* bq = nullptr;
+  const float* bk = nullptr;
+  const float* bv = nullptr;
+  const float* bo = nullptr;
+  const float* k_cache = nullptr;
+  const float* v_cache = nullptr;
+  float* y = nullptr;
 };
 
 /// The peer server: a child process, started once, serving every peer benchmark.
@@ -72,19 +139,36 @@ class PeerServer {
   const std::vector<std::string>& skipped() const { return skipped_; }
   const std::string& error() const { return error_; }
 
-  /// Whether `peer` computes this problem; otherwise `why` says why not.
+  /// Whether `peer` computes this attention problem; otherwise `why` says why not (also
+  /// for the GEMM and layer peers).
   bool supports(const std::string& peer, const Problem& p, std::string* why);
   /// Builds the peer's session for the problem, calls it once on copy 0 (writing o) and
   /// returns the seconds that call took, or a negative number with `why` set.
   double prepare(const std::string& peer, const Problem& p, int threads,
                  const std::vector<const float*>& q, const std::vector<const float*>& k,
                  const std::vector<const float*>& v, float* o, std::string* why);
-  /// Seconds for n calls timed in the server, or a negative number with `why` set.
+  /// Whether `peer` computes this GEMM; otherwise `why` says why not (also for the
+  /// attention and layer peers).
+  bool supports_gemm(const std::string& peer, const GemmShape& s, std::string* why);
+  /// Prepares the GEMM on a, b and c (memory from shared_allocate), calls it once (writing
+  /// c) and returns the seconds that call took, or a negative number with `why` set.
+  double prepare_gemm(const std::string& peer, const GemmShape& s, int threads, const float* a,
+                      const float* b, float* c, std::string* why);
+  /// Whether `peer` computes this layer; otherwise `why` says why not (also for the
+  /// attention and GEMM peers).
+  bool supports_layer(const std::string& peer, const LayerShape& s, std::string* why);
+  /// Prepares the layer on t (memory from shared_allocate), calls it once (writing t.y) and
+  /// returns the seconds that call took, or a negative number with `why` set.
+  double prepare_layer(const std::string& peer, const LayerShape& s, int threads,
+                       const LayerTensors& t, std::string* why);
+  /// Seconds for n calls of the last prepared problem, of any kind, timed in the server, or
+  /// a negative number with `why` set.
   double run(long long n, std::string* why);
   void release();
 
  private:
-  std::string request(const std::string& line);  // one line out, one line back ("" if dead)
+  std::string request(const std::string& line);         // one line out, one line back ("" if dead)
+  bool yes(const std::string& line, std::string* why);  // a supports request's answer
 
   int pid_ = -1;
   std::FILE* to_ = nullptr;    // the server's standard input

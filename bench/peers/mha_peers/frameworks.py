@@ -7,31 +7,43 @@ cannot take (padded or broadcast strides, which the benchmarks never use) are co
 when the peer is prepared. A call computes the peer's output in its own layout; ``prepare``
 copies the first call's output into the problem's o tensor for mha_bench to check, and the
 timed calls leave it where the framework put it.
+
+A peer serves one kind of problem (``Framework.kind``): attention (``Peer``, the requests
+supports and prepare), a GEMM (``GemmPeer``, supports_gemm and prepare_gemm) or the whole
+layer (``LayerPeer``, supports_layer and prepare_layer); run and release serve every kind.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from .layer import Gemm, GemmTensors, Layer, LayerTensors
 from .problem import Mask, Problem, Tensors, as_head_major, as_token_major, is_head_major
 
 Call = Callable[[int], None]  # runs the peer once on copy c
 
 
-class Peer:
-    """One framework operator. Subclasses set ``name`` and ``package``."""
+class Framework:
+    """One framework operator. Subclasses set ``name``, ``package`` and ``kind``."""
 
     name = ""
     package = ""
+    kind = ""  # the problems it computes: "attention", "gemm" or "layer"
 
     def version(self) -> str:
         return f"{self.package}-{importlib.metadata.version(self.package)}"
 
     def load(self) -> None:
         """Imports the framework; raises ImportError (or any error) when it cannot."""
+
+
+class Peer(Framework):
+    """An attention operator."""
+
+    kind = "attention"
 
     def why_unsupported(self, p: Problem) -> str | None:
         return p.why_unsupported()
@@ -45,6 +57,46 @@ class Peer:
         raise NotImplementedError
 
 
+class GemmPeer(Framework):
+    """A matrix product C = A B."""
+
+    kind = "gemm"
+
+    def why_unsupported(self, s: Gemm) -> str | None:
+        return s.why_unsupported()
+
+    def prepare(self, s: Gemm, t: GemmTensors, threads: int) -> Call:
+        raise NotImplementedError
+
+    def write_output(self, s: Gemm, t: GemmTensors) -> None:
+        """Copies the output of the last call into t.c (nothing to do when calls write it)."""
+
+
+class LayerPeer(Framework):
+    """The whole attention layer, composed as the framework's users compose it."""
+
+    kind = "layer"
+
+    def why_unsupported(self, s: Layer) -> str | None:
+        return s.why_unsupported()
+
+    def prepare(self, s: Layer, t: LayerTensors, threads: int) -> Call:
+        raise NotImplementedError
+
+    def write_output(self, s: Layer, t: LayerTensors) -> None:
+        """Copies the output of the last call into t.y ([B, n, d])."""
+        raise NotImplementedError
+
+
+def load_torch() -> Any:
+    """Imports torch, with one inter-op thread (the benchmarks time intra-op threads only)."""
+    import torch
+
+    if torch.get_num_interop_threads() != 1:  # settable once, before any parallel work
+        torch.set_num_interop_threads(1)
+    return torch
+
+
 class TorchSdpa(Peer):
     """torch.nn.functional.scaled_dot_product_attention on [B, H, L, D] views of the
     tensors (no copy), enable_gqa for Hkv < H; bottom-right causal with q_len != kv_len
@@ -54,11 +106,7 @@ class TorchSdpa(Peer):
     package = "torch"
 
     def load(self) -> None:
-        import torch
-
-        if torch.get_num_interop_threads() != 1:  # settable once, before any parallel work
-            torch.set_num_interop_threads(1)
-        self.torch = torch
+        self.torch = load_torch()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         torch = self.torch
@@ -310,4 +358,93 @@ class OpenVinoSdpa(Peer):
         t.o[...] = out.reshape(p.batch, p.q_heads, p.q_len, p.head_dim).transpose(0, 2, 1, 3)
 
 
-ALL: list[type[Peer]] = [TorchSdpa, OrtAttention, OrtGqa, OpenVinoSdpa]
+class TorchMatmul(GemmPeer):
+    """torch.matmul(a, b, out=c) on tensors over the shared buffers (torch.from_numpy: no
+    copy), so every call writes C in place. Outside inference_mode: no tensor requires grad,
+    so autograd records nothing, and the context would add its own microseconds to the
+    small products of decoding."""
+
+    name = "peer-torch-matmul"
+    package = "torch"
+
+    def load(self) -> None:
+        self.torch = load_torch()
+
+    def prepare(self, s: Gemm, t: GemmTensors, threads: int) -> Call:
+        torch = self.torch
+        torch.set_num_threads(threads)
+        a, b, c = (torch.from_numpy(x) for x in (t.a, t.b, t.c))
+
+        def call(_: int) -> None:
+            torch.matmul(a, b, out=c)
+
+        return call
+
+
+class TorchLayer(LayerPeer):
+    """The layer as a PyTorch user writes it, under inference_mode: q, k, v = F.linear(x, W,
+    b) with nn.Linear's weights ([out][in], contiguous: converted from the math layout once,
+    at prepare); the n new tokens' K and V slice-assigned into positions [past, past + n) of
+    a preallocated head-major cache tensor of capacity past + n (a static cache, copied from
+    mha_bench's at prepare, whose buffers stay unchanged); scaled_dot_product_attention of
+    the [B, H, n, D] queries over the whole cache, its default scale 1 / sqrt(D), enable_gqa
+    for Hkv < H as peer-torch-sdpa, is_causal when past = 0, nothing when n = 1 (a decoded
+    token sees the whole cache), a boolean mask for bottom-right causal otherwise; then
+    F.linear(o, W^O, b^O). x is read in place; y is the framework's own tensor, copied into
+    mha_bench's after prepare's call. Every call writes the same cache positions, so the
+    timed calls are identical steps."""
+
+    name = "peer-torch-layer"
+    package = "torch"
+
+    def load(self) -> None:
+        self.torch = load_torch()
+
+    def prepare(self, s: Layer, t: LayerTensors, threads: int) -> Call:
+        torch = self.torch
+        linear = torch.nn.functional.linear
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch.set_num_threads(threads)
+        b, n, h, hkv, dim = s.batch, s.n, s.heads, s.kv_heads, s.head_dim
+
+        def weight(w: np.ndarray) -> Any:  # [in][out] -> nn.Linear's [out][in], its own copy
+            return torch.from_numpy(w).t().contiguous()
+
+        def bias(x: np.ndarray | None) -> Any:
+            return None if x is None else torch.from_numpy(x).clone()
+
+        def cache(c: np.ndarray | None) -> Any:
+            own = torch.zeros((b, hkv, s.capacity, dim), dtype=torch.float32)
+            if c is not None:
+                own.copy_(torch.from_numpy(c))
+            return own
+
+        wq, wk, wv, wo = (weight(w) for w in (t.wq, t.wk, t.wv, t.wo))
+        bq, bk, bv, bo = (bias(x) for x in (t.bq, t.bk, t.bv, t.bo))
+        k_cache, v_cache = cache(t.k_cache), cache(t.v_cache)
+        x = torch.from_numpy(t.x)
+        attention = s.attention
+        mask = torch.from_numpy(attention.visible()) if attention.mask is Mask.EXPLICIT else None
+        is_causal = attention.mask is Mask.CAUSAL
+        new = slice(s.past, s.capacity)
+        self.y = None
+
+        def call(_: int) -> None:
+            with torch.inference_mode():
+                q = linear(x, wq, bq).view(b, n, h, dim).transpose(1, 2)
+                k_cache[:, :, new] = linear(x, wk, bk).view(b, n, hkv, dim).transpose(1, 2)
+                v_cache[:, :, new] = linear(x, wv, bv).view(b, n, hkv, dim).transpose(1, 2)
+                o = sdpa(q, k_cache, v_cache, attn_mask=mask, is_causal=is_causal,
+                         enable_gqa=hkv != h)
+                self.y = linear(o.transpose(1, 2).reshape(b, n, h * dim), wo, bo)
+
+        return call
+
+    def write_output(self, s: Layer, t: LayerTensors) -> None:
+        t.y[...] = self.y.numpy()
+
+
+ATTENTION: list[type[Peer]] = [TorchSdpa, OrtAttention, OrtGqa, OpenVinoSdpa]
+GEMM: list[type[GemmPeer]] = [TorchMatmul]
+LAYER: list[type[LayerPeer]] = [TorchLayer]
+ALL: list[type[Framework]] = [*ATTENTION, *GEMM, *LAYER]  # the server's peers, in this order

@@ -6,10 +6,22 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from typing import IO
+from functools import partial
+from typing import IO, Callable
 
-from .frameworks import ALL, Call, Peer
+from .frameworks import ALL, Call, Framework, GemmPeer, LayerPeer, Peer
+from .layer import Gemm, GemmTensors, Layer, LayerTensors
 from .problem import Problem, SharedBuffers, Tensors
+
+# The kind of problem each supports and prepare request is about (Framework.kind).
+SUPPORTS = {"supports": "attention", "supports_gemm": "gemm", "supports_layer": "layer"}
+PREPARE = {"prepare": "attention", "prepare_gemm": "gemm", "prepare_layer": "layer"}
+
+# The layer's tensors by their prepare_layer field: always, with bias=1, and the KV cache
+# (required when past > 0; with past = 0 the peer starts from an empty cache).
+LAYER_TENSORS = ("x", "wq", "wk", "wv", "wo", "y")
+LAYER_BIASES = ("bq", "bk", "bv", "bo")
+LAYER_CACHE = ("k_cache", "v_cache")
 
 
 def parse_fields(words: list[str]) -> dict[str, str]:
@@ -22,11 +34,19 @@ def parse_fields(words: list[str]) -> dict[str, str]:
     return fields
 
 
+def wrong_kind(peer: Framework, kind: str) -> str | None:
+    """Why `peer` cannot take a problem of this kind, or None when it can."""
+    if peer.kind == kind:
+        return None
+    return f"{peer.name} computes {peer.kind} problems, not {kind}"
+
+
 class Server:
-    def __init__(self, peers: list[Peer]) -> None:
+    def __init__(self, peers: list[Framework]) -> None:
         self.peers = {p.name: p for p in peers}
         self.buffers = SharedBuffers()
         self.call: Call | None = None
+        self.copies = 1
         self.copy = 0
 
     def handle(self, line: str) -> str:
@@ -35,12 +55,12 @@ class Server:
             return "error empty request"
         op, args = words[0], words[1:]
         try:
-            if op == "supports":
-                peer = self.peers[args[0]]
-                why = peer.why_unsupported(Problem.parse(parse_fields(args[1:])))
+            if op in SUPPORTS:
+                why = self.why_unsupported(self.peers[args[0]], SUPPORTS[op],
+                                           parse_fields(args[1:]))
                 return "yes" if why is None else f"no {why}"
-            if op == "prepare":
-                return self.prepare(self.peers[args[0]], parse_fields(args[1:]))
+            if op in PREPARE:
+                return self.prepare(self.peers[args[0]], PREPARE[op], parse_fields(args[1:]))
             if op == "run":
                 return self.run(int(args[0]))
             if op == "release":
@@ -54,21 +74,55 @@ class Server:
             traceback.print_exc(file=sys.stderr)
             return f"error {type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
-    def prepare(self, peer: Peer, fields: dict[str, str]) -> str:
-        p = Problem.parse(fields)
-        why = peer.why_unsupported(p)
+    def why_unsupported(self, peer: Framework, kind: str, fields: dict[str, str]) -> str | None:
+        why = wrong_kind(peer, kind)
+        if why is not None:
+            return why
+        if isinstance(peer, Peer):
+            return peer.why_unsupported(Problem.parse(fields))
+        if isinstance(peer, GemmPeer):
+            return peer.why_unsupported(Gemm.parse(fields))
+        if isinstance(peer, LayerPeer):
+            return peer.why_unsupported(Layer.parse(fields))
+        return f"{peer.name} serves no known kind of problem"
+
+    def prepare(self, peer: Framework, kind: str, fields: dict[str, str]) -> str:
+        """Builds the peer's call, calls it once (timed) and writes its output to the shared
+        tensor; on any error the previous call is gone too (run answers an error)."""
+        self.call = None
+        why = self.why_unsupported(peer, kind, fields)
         if why is not None:
             return f"error unsupported: {why}"
-        files = {n: fields[n].split(",") for n in ("q", "k", "v", "o")}
-        buffers = {n: [self.buffers.get(f) for f in fs] for n, fs in files.items()}
-        t = Tensors.from_buffers(p, buffers["q"], buffers["k"], buffers["v"], buffers["o"][0])
-        self.call = peer.prepare(p, t, int(fields["threads"]))
-        self.copy = 0
+        threads = int(fields["threads"])
+        write: Callable[[], None]
+        copies = 1
+        if isinstance(peer, Peer):
+            p = Problem.parse(fields)
+            files = {n: fields[n].split(",") for n in ("q", "k", "v", "o")}
+            buffers = {n: [self.buffers.get(f) for f in fs] for n, fs in files.items()}
+            t = Tensors.from_buffers(p, buffers["q"], buffers["k"], buffers["v"],
+                                     buffers["o"][0])
+            call = peer.prepare(p, t, threads)
+            write, copies = partial(peer.write_output, p, t), t.copies
+        elif isinstance(peer, GemmPeer):
+            g = Gemm.parse(fields)
+            gt = GemmTensors.from_buffers(g, *(self.buffers.get(fields[n]) for n in "abc"))
+            call = peer.prepare(g, gt, threads)
+            write = partial(peer.write_output, g, gt)
+        elif isinstance(peer, LayerPeer):
+            s = Layer.parse(fields)
+            names = [*LAYER_TENSORS, *(LAYER_BIASES if s.bias else ()),
+                     *(n for n in LAYER_CACHE if s.past > 0 or fields.get(n))]
+            lt = LayerTensors.from_buffers(s, {n: self.buffers.get(fields[n]) for n in names})
+            call = peer.prepare(s, lt, threads)
+            write = partial(peer.write_output, s, lt)
+        else:
+            return f"error {peer.name} serves no known kind of problem"
         start = time.perf_counter()
-        self.call(0)
+        call(0)
         seconds = time.perf_counter() - start
-        peer.write_output(p, t)
-        self.copies = t.copies
+        write()
+        self.call, self.copies, self.copy = call, copies, 0
         return f"ok {seconds:.9g}"
 
     def run(self, n: int) -> str:
@@ -84,9 +138,9 @@ class Server:
         return f"ok {seconds:.9g}"
 
 
-def load_peers(out: IO[str]) -> list[Peer]:
+def load_peers(out: IO[str]) -> list[Framework]:
     """Imports every framework; announces each as a peer or a skip."""
-    peers = []
+    peers: list[Framework] = []
     for cls in ALL:
         peer = cls()
         try:

@@ -1,7 +1,8 @@
 """Each framework peer against attention in float64 on small problems of every kind the
 benchmarks time and a few they do not (bottom-right causal with q_len < kv_len, padded
-strides), and the server's protocol end to end. Framework tests skip when the framework is
-not installed (the report's environment has none of them)."""
+strides), the GEMM and layer peers against their float64 references under derived bounds,
+and the server's protocol end to end. Framework tests skip when the framework is not
+installed (the report's environment has none of them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import os
 import numpy as np
 import pytest
 
-from mha_peers.frameworks import ALL, Peer
+from mha_peers.frameworks import (ALL, ATTENTION, Framework, Peer, TorchLayer, TorchMatmul,
+                                  TorchSdpa)
+from mha_peers.layer import Gemm, GemmTensors, Layer, LayerReference, LayerTensors, layer
 from mha_peers.problem import (Mask, Problem, Tensors, dense_head_major, dense_token_major,
                                attention)
 from mha_peers.server import Server, serve
@@ -77,7 +80,7 @@ CASES = {
 }
 
 
-def loaded(cls: type[Peer]) -> Peer:
+def loaded(cls: type[Framework]) -> Framework:
     peer = cls()
     try:
         peer.load()
@@ -87,9 +90,10 @@ def loaded(cls: type[Peer]) -> Peer:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
+@pytest.mark.parametrize("cls", ATTENTION, ids=lambda c: c.name)
 def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     peer = loaded(cls)
+    assert isinstance(peer, Peer)
     p = make_problem(**CASES[case])
     why = peer.why_unsupported(p)
     if why is not None:
@@ -177,3 +181,294 @@ def test_greeting_ends_with_ready() -> None:
     assert lines[-1] == "ready"
     assert all(line.split()[0] in ("peer", "skip") for line in lines[:-1])
     assert len(lines) - 1 == len(ALL)
+
+
+# --- GEMM and layer peers ----------------------------------------------------------------
+
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+def gamma(n: int) -> float:
+    """Higham's gamma(n) = n u / (1 - n u): the relative bound of n roundings."""
+    return n * U / (1 - n * U)
+
+
+GEMM_CASES = {
+    "square": Gemm(m=64, n=64, k=64),
+    "odd": Gemm(m=37, n=53, k=129),
+    "row": Gemm(m=1, n=96, k=300),  # a decoded token's projection
+    "tall": Gemm(m=200, n=8, k=17),
+}
+
+
+def gemm_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|fl(A B) - A B| <= gamma(k) |A| |B|, elementwise, for a sum of k products in any order
+    and blocking, fused or not (Higham, Accuracy and Stability, section 3.1). The float64
+    reference's own error, about 1e-16 |A| |B|, is far below it."""
+    return gamma(a.shape[1]) * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
+
+
+def gemm_tensors(s: Gemm, rng: np.random.Generator) -> GemmTensors:
+    return GemmTensors(a=rng.uniform(-1, 1, (s.m, s.k)).astype(np.float32),
+                       b=rng.uniform(-1, 1, (s.k, s.n)).astype(np.float32),
+                       c=np.full((s.m, s.n), np.nan, dtype=np.float32))
+
+
+@pytest.mark.parametrize("case", sorted(GEMM_CASES))
+def test_torch_matmul_matches_product_in_double(case: str) -> None:
+    peer = loaded(TorchMatmul)
+    assert isinstance(peer, TorchMatmul)
+    s = GEMM_CASES[case]
+    t = gemm_tensors(s, np.random.default_rng(3))
+    call = peer.prepare(s, t, threads=1)
+    call(0)
+    peer.write_output(s, t)
+    exact = t.a.astype(np.float64) @ t.b.astype(np.float64)
+    err = np.abs(t.c - exact)
+    assert (err <= gemm_bound(t.a, t.b)).all(), f"{case}: max |error| {err.max():.3g}"
+
+
+LAYER_CASES = {
+    "prefill-causal": Layer(batch=1, d=48, heads=4, kv_heads=4, head_dim=12, n=19, past=0,
+                            causal=True, bias=False),
+    "prefill-bias": Layer(batch=2, d=32, heads=2, kv_heads=2, head_dim=16, n=11, past=0,
+                          causal=False, bias=True),
+    "prefill-causal-gqa": Layer(batch=2, d=64, heads=8, kv_heads=2, head_dim=8, n=23, past=0,
+                                causal=True, bias=True),
+    "prefill-mqa": Layer(batch=1, d=24, heads=3, kv_heads=1, head_dim=16, n=9, past=0,
+                         causal=False, bias=False),
+    "decode-gqa": Layer(batch=2, d=64, heads=4, kv_heads=2, head_dim=16, n=1, past=40,
+                        causal=True, bias=True),
+    "decode-mha": Layer(batch=1, d=32, heads=4, kv_heads=4, head_dim=8, n=1, past=13,
+                        causal=True, bias=False),
+    "chunk-causal": Layer(batch=1, d=32, heads=4, kv_heads=2, head_dim=8, n=6, past=10,
+                          causal=True, bias=True),  # bottom-right through a boolean mask
+    "chunk": Layer(batch=1, d=32, heads=2, kv_heads=1, head_dim=16, n=5, past=7,
+                   causal=False, bias=False),
+}
+
+
+def layer_tensors(s: Layer, rng: np.random.Generator) -> LayerTensors:
+    """x in [-1, 1]; weights in [-1, 1] / sqrt(in) (nn.Linear's initialisation), so that
+    every projection is of order 1; biases in [-1/2, 1/2]; the past cache in [-1, 1]."""
+    hd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+    def rand(*shape: int, scale: float = 1.0) -> np.ndarray:
+        return (scale * rng.uniform(-1, 1, shape)).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray | None:
+        return rand(n, scale=0.5) if s.bias else None
+
+    cache = (s.batch, s.kv_heads, s.capacity, s.head_dim)
+    return LayerTensors(
+        x=rand(s.batch, s.n, s.d), wq=rand(s.d, hd, scale=s.d ** -0.5),
+        wk=rand(s.d, kvd, scale=s.d ** -0.5), wv=rand(s.d, kvd, scale=s.d ** -0.5),
+        wo=rand(hd, s.d, scale=hd ** -0.5), bq=bias(hd), bk=bias(kvd), bv=bias(kvd),
+        bo=bias(s.d), k_cache=rand(*cache), v_cache=rand(*cache),
+        y=np.full((s.batch, s.n, s.d), np.nan, dtype=np.float32))
+
+
+def layer_bound(s: Layer, t: LayerTensors, r: LayerReference) -> np.ndarray:
+    """A worst-case bound on |y - exact y|, elementwise, for any correct fp32 composition
+    (the argument of reference/layer.h, with the attention step bounded as error_bound does
+    above, for inputs of any size):
+
+    1. Projections: a GEMM over d products plus the bias, |Q^ - Q| <= eQ = gamma(d + 1)
+       (|x| |W^Q| + |b^Q|); eK and eV likewise for the new rows, 0 for the past rows (copied).
+    2. The attention of (Q^, K^, V^) against that of (Q, K, V): a logit moves by at most
+       sigma = scale max_t sum_e (eQ |K| + |Q| eK + eQ eK), every softmax weight by a factor
+       within exp(+-2 sigma), so the weights by min(2, exp(2 sigma) - 1) in sum, and the
+       output by that times V' plus max eV, V' = max (|V| + eV).
+    3. The framework's attention on (Q^, K^, V^): error_bound's terms, its logit error
+       gamma(D + 3) A' (D products, the scale's rounding and the two of a scale split over q
+       and k, as PyTorch's math path does), A' = scale max_t sum_e (|Q| + eQ)(|K| + eK),
+       scaled by V'. So eO = that + step 2, per row and head.
+    4. W^O: |y^ - y| <= gamma(H D + 1) ((|O| + eO) |W^O| + |b^O|) + eO |W^O|.
+    Maxima are taken per (sequence, head, row) over all keys, which only loosens the bound."""
+    f64 = np.float64
+    b, n, h, hkv, dim = s.batch, s.n, s.heads, s.kv_heads, s.head_dim
+    g, scale, length = h // hkv, 1 / math.sqrt(dim), s.capacity
+
+    def projection_error(w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        mag = np.abs(t.x).astype(f64) @ np.abs(w).astype(f64)
+        return gamma(s.d + 1) * (mag if bias is None else mag + np.abs(bias))
+
+    def heads_first(x: np.ndarray, count: int) -> np.ndarray:
+        return x.reshape(b, n, count, dim).transpose(0, 2, 1, 3)
+
+    def cache_error(w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        e = np.zeros((b, hkv, length, dim))
+        e[:, :, s.past:] = heads_first(projection_error(w, bias), hkv)
+        return np.repeat(e, g, axis=1)  # per query head
+
+    e_q = heads_first(projection_error(t.wq, t.bq), h)  # [B, H, n, D]
+    e_k, e_v = cache_error(t.wk, t.bk), cache_error(t.wv, t.bv)  # [B, H, L, D]
+    q, k, v = np.abs(r.q), np.abs(np.repeat(r.k, g, axis=1)), np.abs(np.repeat(r.v, g, axis=1))
+    visible = s.attention.visible()
+
+    def row_max(x: np.ndarray) -> np.ndarray:  # [B, H, n, L] -> [B, H, n], visible keys
+        return np.where(visible, x, 0.0).max(axis=-1)
+
+    def kt(x: np.ndarray) -> np.ndarray:  # keys' transpose, [B, H, D, L]
+        return x.transpose(0, 1, 3, 2)
+
+    sigma = scale * row_max(e_q @ kt(k) + q @ kt(e_k) + e_q @ kt(e_k))
+    big_a = scale * row_max((q + e_q) @ kt(k + e_k))
+    v_max = (v + e_v).max(axis=(2, 3))[:, :, None]  # [B, H, 1]
+    ev_max = e_v.max(axis=(2, 3))[:, :, None]
+    e_s = gamma(dim + 3) * big_a
+    e_w = 2 * e_s + 17 * U + 3 * U * length
+    attention = (2 * e_w + (2 * length + 1) * U) * v_max
+    moved = np.minimum(2.0, np.expm1(2 * sigma)) * v_max + ev_max
+    e_o = np.repeat((attention + moved).transpose(0, 2, 1), dim, axis=2)  # [B, n, H D]
+    wo = np.abs(t.wo).astype(f64)
+    bo = 0.0 if t.bo is None else np.abs(t.bo).astype(f64)
+    return gamma(h * dim + 1) * ((np.abs(r.o) + e_o) @ wo + bo) + e_o @ wo
+
+
+def check_layer(s: Layer, t: LayerTensors, y: np.ndarray, what: str) -> None:
+    r = layer(s, t)
+    tol = layer_bound(s, t, r)
+    # A worst case, about 1000 times the errors seen, yet below 1e-3 of y: a wrong mask,
+    # cache position, head or bias moves y by 1e-2 of its size and more, so fails.
+    assert tol.max() < 1e-3 * np.abs(r.y).max(), f"{what}: bound {tol.max():.3g} too loose"
+    err = np.abs(y - r.y)
+    assert (err <= tol).all(), f"{what}: max |error| {err.max():.3g}, bound {tol.max():.3g}"
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_torch_layer_matches_layer_in_double(case: str) -> None:
+    peer = loaded(TorchLayer)
+    assert isinstance(peer, TorchLayer)
+    s = LAYER_CASES[case]
+    t = layer_tensors(s, np.random.default_rng(11))
+    call = peer.prepare(s, t, threads=1)
+    call(0)
+    peer.write_output(s, t)
+    check_layer(s, t, t.y, case)
+
+
+@pytest.mark.parametrize("case", ["decode-gqa", "chunk-causal", "prefill-causal-gqa"])
+def test_torch_layer_calls_are_identical_steps(case: str) -> None:
+    """Every call writes the same cache positions, so a second call gives the same y, bit
+    for bit, and mha_bench's own cache buffers are never written."""
+    peer = loaded(TorchLayer)
+    assert isinstance(peer, TorchLayer)
+    s = LAYER_CASES[case]
+    t = layer_tensors(s, np.random.default_rng(5))
+    k_cache, v_cache = t.k_cache.copy(), t.v_cache.copy()
+    call = peer.prepare(s, t, threads=2)
+    ys = []
+    for _ in range(3):
+        call(0)
+        peer.write_output(s, t)
+        ys.append(t.y.copy())
+    assert all(np.array_equal(y, ys[0]) for y in ys[1:])
+    assert np.array_equal(t.k_cache, k_cache) and np.array_equal(t.v_cache, v_cache)
+    check_layer(s, t, ys[0], case)
+
+
+def shared(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str, str]]:
+    """Each array in a memfd file, as mha_bench shares its tensors: fds and paths."""
+    fds, paths = [], {}
+    for name, x in arrays.items():
+        fd, path = memfd(x)
+        fds.append(fd)
+        paths[name] = path
+    return fds, paths
+
+
+def read_shared(path: str, shape: tuple[int, ...]) -> np.ndarray:
+    with open(path, "rb") as f:
+        return np.frombuffer(f.read(), dtype=np.float32)[:math.prod(shape)].reshape(shape)
+
+
+def test_server_gemm_requests() -> None:
+    """supports_gemm, prepare_gemm (C written in the shared file), run, release."""
+    server = Server([loaded(TorchMatmul)])
+    s = GEMM_CASES["odd"]
+    t = gemm_tensors(s, np.random.default_rng(2))
+    fds, paths = shared({"a": t.a, "b": t.b, "c": t.c})
+    try:
+        shape = f"m={s.m} n={s.n} k={s.k}"
+        assert server.handle(f"supports_gemm peer-torch-matmul {shape}") == "yes"
+        assert server.handle("supports_gemm peer-torch-matmul m=0 n=1 k=1").startswith("no ")
+        reply = server.handle(f"prepare_gemm peer-torch-matmul {shape} threads=1 "
+                              f"a={paths['a']} b={paths['b']} c={paths['c']}")
+        assert reply.startswith("ok "), reply
+        c = read_shared(paths["c"], (s.m, s.n))
+        exact = t.a.astype(np.float64) @ t.b.astype(np.float64)
+        assert (np.abs(c - exact) <= gemm_bound(t.a, t.b)).all()
+        assert server.handle("run 5").startswith("ok ")
+        assert server.handle("release") == "ok"
+        assert server.handle(f"prepare_gemm peer-torch-matmul {shape} threads=1 "
+                             f"a={paths['a']} b={paths['b']}").startswith("error ")
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("case", ["decode-gqa", "prefill-causal"])
+def test_server_layer_requests(case: str) -> None:
+    """supports_layer, prepare_layer (y written in the shared file, the caches untouched),
+    run, release; a missing tensor is an error reply."""
+    server = Server([loaded(TorchLayer)])
+    s = LAYER_CASES[case]
+    t = layer_tensors(s, np.random.default_rng(4))
+    arrays = {n: getattr(t, n) for n in ("x", "wq", "wk", "wv", "wo", "k_cache", "v_cache", "y")}
+    if s.bias:
+        arrays.update({n: getattr(t, n) for n in ("bq", "bk", "bv", "bo")})
+    if s.past == 0:
+        del arrays["k_cache"], arrays["v_cache"]  # optional without past tokens
+    fds, paths = shared(arrays)
+    try:
+        shape = (f"batch={s.batch} d={s.d} heads={s.heads} kv_heads={s.kv_heads} "
+                 f"head_dim={s.head_dim} n={s.n} past={s.past} causal={int(s.causal)} "
+                 f"bias={int(s.bias)}")
+        tensors = " ".join(f"{n}={p}" for n, p in paths.items())
+        assert server.handle(f"supports_layer peer-torch-layer {shape}") == "yes"
+        reply = server.handle(f"prepare_layer peer-torch-layer {shape} threads=1 {tensors}")
+        assert reply.startswith("ok "), reply
+        y = read_shared(paths["y"], t.y.shape)
+        check_layer(s, t, y, case)
+        assert server.handle("run 3").startswith("ok ")
+        assert np.array_equal(read_shared(paths["y"], t.y.shape), y)  # run leaves y alone
+        if s.past > 0:
+            assert np.array_equal(read_shared(paths["k_cache"], t.k_cache.shape), t.k_cache)
+            assert np.array_equal(read_shared(paths["v_cache"], t.v_cache.shape), t.v_cache)
+        assert server.handle("release") == "ok"
+        no_wq = " ".join(f"{n}={p}" for n, p in paths.items() if n != "wq")
+        reply = server.handle(f"prepare_layer peer-torch-layer {shape} threads=1 {no_wq}")
+        assert reply == "error unknown peer or missing field 'wq'", reply
+        assert server.handle("run 1") == "error run before prepare"
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+ATTENTION_FIELDS = ("batch=1 q_len=3 kv_len=6 q_heads=2 kv_heads=1 head_dim=4 causal=1 "
+                    "scale=0.5 q_strides=8,8,4 k_strides=4,4,4 v_strides=4,4,4 o_strides=8,8,4")
+GEMM_FIELDS = "m=4 n=5 k=6"
+LAYER_FIELDS = "batch=1 d=8 heads=2 kv_heads=1 head_dim=4 n=3 past=2 causal=1 bias=0"
+
+
+def test_peers_answer_only_their_own_kind() -> None:
+    """An attention peer answers no to GEMM and layer problems, and the GEMM and layer peers
+    no to every kind but theirs; prepare on the wrong kind is an error. (Kind is decided by
+    the server before the framework is touched: no framework needed.)"""
+    server = Server([TorchSdpa(), TorchMatmul(), TorchLayer()])
+    requests = {"attention": ("supports", ATTENTION_FIELDS), "gemm": ("supports_gemm",
+                GEMM_FIELDS), "layer": ("supports_layer", LAYER_FIELDS)}
+    for peer in ("peer-torch-sdpa", "peer-torch-matmul", "peer-torch-layer"):
+        kind = server.peers[peer].kind
+        for problem, (op, fields) in requests.items():
+            reply = server.handle(f"{op} {peer} {fields}")
+            if problem == kind:
+                assert reply == "yes", (peer, op, reply)
+            else:
+                assert reply == f"no {peer} computes {kind} problems, not {problem}", reply
+    reply = server.handle(f"prepare_layer peer-torch-sdpa {LAYER_FIELDS} threads=1")
+    assert reply == "error unsupported: peer-torch-sdpa computes attention problems, not layer"
+    bad = LAYER_FIELDS.replace("kv_heads=1", "kv_heads=3")
+    assert server.handle(f"supports_layer peer-torch-layer {bad}").startswith(
+        "no kv_heads=3 does not divide")
