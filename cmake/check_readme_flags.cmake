@@ -7,6 +7,12 @@
 include(${CMAKE_CURRENT_LIST_DIR}/isa.cmake)
 
 file(STRINGS ${REPO}/kernels/registry.inc entries REGEX "^MHA_KERNEL\\(")
+# The GEMM kernels (kernels/gemm/gemm.inc) have rows gemm-<name> in the GEMM table.
+file(STRINGS ${REPO}/kernels/gemm/gemm.inc gemms REGEX "^MHA_GEMM\\(")
+foreach(gemm IN LISTS gemms)
+  string(REGEX REPLACE "^MHA_GEMM\\(([a-z0-9_-]+)," "MHA_KERNEL(gemm-\\1," gemm "${gemm}")
+  list(APPEND entries "${gemm}")
+endforeach()
 file(STRINGS ${REPO}/README.md rows REGEX "^\\| `")
 set(checked 0)
 set(errors "")

@@ -11,13 +11,14 @@
 // Tails: rows through with_count; columns past n are zero in the packed B, computed, and not
 // stored (VMASKMOVPS loads and stores of C and bias touch only the real columns).
 //
-// ISA: AVX2 and FMA. Depends on mha/gemm.h, mha/support.h, <immintrin.h> and the standard
-// library only.
+// ISA: AVX2 and FMA. Depends on gemm_loops.h, mha/gemm.h, mha/support.h, <immintrin.h> and
+// the standard library only.
 #include <immintrin.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "gemm_loops.h"
 #include "mha/gemm.h"
 #include "mha/support.h"
 

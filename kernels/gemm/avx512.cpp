@@ -12,13 +12,14 @@
 // Tails: rows through with_count (the microkernel for the rows left); columns past n are
 // zero in the packed B, computed, and not stored (masked loads and stores of C and bias).
 //
-// ISA: AVX-512F (and the flags of cmake/isa.cmake's avx512). Depends on mha/gemm.h,
-// mha/support.h, <immintrin.h> and the standard library only.
+// ISA: AVX-512F (and the flags of cmake/isa.cmake's avx512). Depends on gemm_loops.h,
+// mha/gemm.h, mha/support.h, <immintrin.h> and the standard library only.
 #include <immintrin.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "gemm_loops.h"
 #include "mha/gemm.h"
 #include "mha/support.h"
 

@@ -11,14 +11,15 @@
 // partial panel's C row goes through a 12-float stack buffer, so only real columns are read
 // and written.
 //
-// ISA: Advanced SIMD, the AArch64 baseline. Depends on mha/gemm.h, mha/support.h,
-// <arm_neon.h> and the standard library only.
+// ISA: Advanced SIMD, the AArch64 baseline. Depends on gemm_loops.h, mha/gemm.h,
+// mha/support.h, <arm_neon.h> and the standard library only.
 #include <arm_neon.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <utility>
 
+#include "gemm_loops.h"
 #include "mha/gemm.h"
 #include "mha/support.h"
 

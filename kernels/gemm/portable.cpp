@@ -16,16 +16,18 @@
 // the contract requires. 4 x 16 accumulators are as many vectors as SSE2 has registers; the
 // compiler keeps most of them in registers and the rest in L1.
 //
-// Blocking: support::gemm_blocking (kc from L1d, mc from L2; mha/support.h gives the rule).
+// Blocking: support::gemm_blocking (kc from L1d, mc from L2; gemm_loops.h gives the rule).
 // Tails: with_count instantiates the microkernel for the rows left, and only real rows are
 // stored; columns past n are the zero columns of the packed B, computed and not stored.
 // Writes only C's m x n elements; reads the packed panels that cover A's m rows and B's n
 // columns, and bias's n floats. No workspace.
 //
-// Depends on mha/gemm.h, mha/support.h and the standard library only.
+// Depends on gemm_loops.h, mha/gemm.h, mha/support.h (and the mha/attention.h it includes) and
+// the standard library only.
 #include <cstddef>
 #include <cstdint>
 
+#include "gemm_loops.h"
 #include "mha/gemm.h"
 #include "mha/support.h"
 

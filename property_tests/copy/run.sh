@@ -9,6 +9,7 @@
 #
 # Usage: run.sh KERNEL REPO WORK_DIR CXX [FLAG...]
 #   KERNEL    a kernel name of the table (naive, blocked, avx2, avx512, neon, xsimd-avx2, ...)
+#             or of the GEMM table (gemm-portable, gemm-avx2, ...: example gemm_example.cpp)
 #   REPO      this repository's root          WORK_DIR  the folder to create (emptied first)
 #   CXX       the C++ compiler                FLAG...   added to both commands (the
 #                                                       sanitizer build passes its flags)
@@ -67,15 +68,22 @@ for f in $files; do
     *) cp "$repo/$f" "$work/" ;;
   esac
 done
-cp "$repo/property_tests/copy/example.cpp" "$work/"
+case "$kernel" in
+  gemm-*)  # a GEMM kernel: gemm_example.cpp calls mha_f32_gemm_<name>
+    example=gemm_example.cpp
+    define="-DMHA_EXAMPLE_GEMM=${kernel#gemm-}"
+    ;;
+  *)  # an attention kernel: mha_f32_attention_<kernel>, '-' spelled '_' (xsimd-avx2: ..._xsimd_avx2)
+    example=example.cpp
+    define="-DMHA_EXAMPLE_KERNEL=$(printf '%s' "$kernel" | tr - _)"
+    ;;
+esac
+cp "$repo/property_tests/copy/$example" "$work/"
 cd "$work"
 # shellcheck disable=SC2086
 step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. $flags "$@" -c "$source"
-# The example calls mha_f32_attention_<kernel>, '-' spelled '_' (xsimd-avx2: ..._xsimd_avx2).
-symbol=$(printf '%s' "$kernel" | tr - _)
 # shellcheck disable=SC2086
-step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. -DMHA_EXAMPLE_KERNEL="$symbol" "$@" example.cpp \
-  "$object" $libs -o example
+step "$cxx" -std=c++17 -O2 -Wall -Wextra -I. "$define" "$@" "$example" "$object" $libs -o example
 echo "+ ${MHA_COPY_RUNNER:+$MHA_COPY_RUNNER }./example"
 # shellcheck disable=SC2086
 exec ${MHA_COPY_RUNNER:-} ./example
