@@ -124,6 +124,12 @@ struct LayerTensors {
   float* y = nullptr;
 };
 
+/// The exp error the peers are checked with. PyTorch's CPU flash attention computes exp with
+/// exp_u20 (about 20 correct bits of 24: within 8 ulp); ONNX Runtime's and OpenVINO's exps
+/// are not documented, and are held to the same bound. A wrong mask, scale or head mapping
+/// errs by orders of magnitude more.
+constexpr double kPeerExpUlp = 8.0;
+
 /// The peer server: a child process, started once, serving every peer benchmark.
 class PeerServer {
  public:
