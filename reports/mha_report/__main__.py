@@ -1,7 +1,9 @@
 """python -m mha_report RESULTS.json [--baseline OLD.json] --out DIR
 
 Writes DIR/report.md with its PNG figures and DIR/report.html (self-contained), and prints
-the summary table (the fastest kernel against the fastest peer, per shape)."""
+the summary table (the fastest kernel against the fastest peer, per shape), then, when the run
+has them, the GEMM table (the fastest kernel against the fastest library and peer) and the
+layer table (the project's layer against the peer and the composed baselines)."""
 
 from __future__ import annotations
 

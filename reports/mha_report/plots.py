@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .results import Results, Shape, is_kernel, is_peer  # noqa: E402
-from .stats import Change  # noqa: E402
+from .results import Results, Shape, is_kernel, is_peer, sharing  # noqa: E402
+from .stats import Best, Change, kv_head_groups  # noqa: E402
 
 _COLORS = plt.get_cmap("tab10").colors
 
@@ -247,6 +247,54 @@ def roofline(results: Results, path: Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(f"Roofline: every 1-thread result under the measured roofs ({_cpu(results)})")
     _legend(fig, ax)
+    return _save(fig, path)
+
+
+def _bar_label(what: str, bests: list[Best]) -> str:
+    names = sorted({b.impl for b in bests if b.impl})
+    return f"{what} ({', '.join(names)})" if names else what
+
+
+def layer_decode_vs_kv_heads(results: Results, path: Path) -> Path | None:
+    """What does sharing KV heads buy the whole layer? Time per decode step against Hkv, the
+    project's layer beside the peer and the best composed baseline (one panel per decode
+    shape that ran at several Hkv; whiskers: the range over rounds)."""
+    groups = kv_head_groups(results)
+    if not groups:
+        return None
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.4, 4.2 * rows),
+                             layout="constrained", squeeze=False)
+    kinds = (("this project's layer", lambda r: r.layer,
+              dict(color=_COLORS[0], edgecolor=_COLORS[0])),
+             ("peer", lambda r: r.peer,
+              dict(color="white", edgecolor=_COLORS[1], linestyle="--", linewidth=1.6)),
+             ("best composed", lambda r: r.composed,
+              dict(color="white", edgecolor=_COLORS[2], hatch="xx", linewidth=1.0)))
+    width = 0.26
+    for ax, group in zip(axes.flat, groups):
+        xs = range(len(group))
+        for k, (what, best, style) in enumerate(kinds):
+            bests = [best(r) for r in group]
+            at = [x + (k - 1) * width for x, b in zip(xs, bests) if b.ms]
+            ms = [b.ms for b in bests if b.ms]
+            if not ms:
+                continue
+            ax.bar(at, [m.median for m in ms], width=width, label=_bar_label(what, bests),
+                   yerr=[[m.median - m.low for m in ms], [m.high - m.median for m in ms]],
+                   error_kw=dict(ecolor="black", capsize=2, linewidth=0.8), **style)
+        ax.set_xticks(list(xs), [
+            f"Hkv={r.shape.kv_heads}\n{sharing(r.shape.heads, r.shape.kv_heads)}"
+            + (f"\n{r.kv_cache_mib:.3g} MiB cache" if r.kv_cache_mib is not None else "")
+            for r in group], fontsize=8)
+        ax.set_ylabel("time per decode step (ms)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_title(group[0].shape.label(kv_heads=False), fontsize=9)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.suptitle(f"Layer decode: time per step as query heads share KV heads ({_cpu(results)})")
+    _legend(fig, axes.flat[0])
     return _save(fig, path)
 
 

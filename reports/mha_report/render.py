@@ -8,10 +8,13 @@ import html
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from . import plots
-from .results import Results, Shape, is_kernel, is_peer
-from .stats import Change, Headline, Row, Spread, compare, headlines, shape_rows
+from .results import (GEMM_LIBRARIES, GemmShape, LayerShape, Results, Shape, is_composed,
+                      is_kernel, is_library, is_peer, sharing)
+from .stats import (Best, Change, GemmRow, Headline, LayerRow, Row, Spread, compare, gemm_rows,
+                    headlines, kv_head_groups, layer_rows, shape_rows)
 
 
 @dataclass
@@ -157,20 +160,98 @@ def headline_table(hs: list[Headline]) -> Table:
                   "speedup over best peer"], rows)
 
 
-def shape_table(rows: list[Row], decode: bool) -> Table:
+GEMM_TITLE = "GEMM: the fastest kernel against the fastest library and peer"
+LAYER_TITLE = "Layer: the project's attention layer against PyTorch and the composed baselines"
+
+
+def attention_kind(impl: str) -> str:
+    return "peer" if is_peer(impl) else ("kernel" if is_kernel(impl) else "baseline")
+
+
+def gemm_kind(impl: str) -> str:
+    return "peer" if is_peer(impl) else ("library" if is_library(impl) else "kernel")
+
+
+def layer_kind(impl: str) -> str:
+    return "peer" if is_peer(impl) else ("baseline" if is_composed(impl) else "layer")
+
+
+def shape_table(rows: list[Row], decode: bool, kind: Callable[[str], str] = attention_kind,
+                naive: bool = True) -> Table:
+    """Every implementation of one shape; `decode`: with the bandwidth columns; `naive`: with
+    the speedup over the naive kernel (attention)."""
     header = ["implementation", "ms", "GFLOP/s", "of FMA peak"]
     if decode:
         header += ["GB/s", "of bandwidth"]
-    header += ["speedup over naive", "speedup over best peer"]
+    header += ["speedup over naive"] if naive else []
+    header += ["speedup over best peer"]
     out = []
     for r in rows:
-        kind = "peer" if is_peer(r.impl) else ("kernel" if is_kernel(r.impl) else "baseline")
-        cells = [f"`{r.impl}` ({kind})", _fmt(r.ms, 3), _fmt(r.gflops, 1), _fmt(r.peak_frac, 3)]
+        cells = [f"`{r.impl}` ({kind(r.impl)})", _fmt(r.ms, 3), _fmt(r.gflops, 1),
+                 _fmt(r.peak_frac, 3)]
         if decode:
             cells += [_fmt(r.gbps, 1), _fmt(r.bw_frac, 3)]
-        cells += [_speedup(r.vs_naive), _speedup(r.vs_best_peer)]
+        cells += [_speedup(r.vs_naive)] if naive else []
+        cells += [_speedup(r.vs_best_peer)]
         out.append(cells)
     return Table(header, out)
+
+
+def _name(b: Best) -> str:
+    """The implementation's name, 'error' if it only failed (see the Errors table)."""
+    return f"`{b.impl}`" if b.impl else ("error" if b.failed else "")
+
+
+def _mib(mib: float | None) -> str:
+    return f"{mib:.3g}" if mib is not None else ""
+
+
+def gemm_table(rows: list[GemmRow]) -> Table:
+    """Per GEMM shape: the best kernel (its rate, and for M <= 16 its fraction of the DRAM
+    bandwidth), the best library and the peer, with the speedups over them."""
+    header = ["shape", "best kernel", "ms", "GFLOP/s", "of FMA peak", "of DRAM bandwidth",
+              "best library", "GFLOP/s", "speedup over library", "peer", "ms",
+              "speedup over peer"]
+    out = []
+    for r in rows:
+        out.append([r.shape.label(), _name(r.kernel), _fmt(r.kernel.ms, 3), _fmt(r.gflops, 1),
+                    _fmt(r.peak_frac, 3), _fmt(r.bw_frac, 3) if r.shape.m <= 16 else "",
+                    _name(r.library), _fmt(r.library_gflops, 1), _speedup(r.vs_library),
+                    _name(r.peer), _fmt(r.peer.ms, 3), _speedup(r.vs_peer)])
+    return Table(header, out)
+
+
+def layer_table(rows: list[LayerRow]) -> Table:
+    """Per layer shape: the project's layer against the peer and the best composed baseline,
+    its fraction of the FMA peak (prefill) or of the DRAM bandwidth (decode), the cache."""
+    header = ["step", "shape", "layer", "ms", "peer", "ms", "speedup over peer",
+              "best composed", "ms", "speedup over composed", "of FMA peak",
+              "of DRAM bandwidth", "KV cache MiB"]
+    out = []
+    for r in rows:
+        decode = r.shape.step == "decode"
+        out.append([r.shape.step, r.shape.label(), _name(r.layer), _fmt(r.layer.ms, 3),
+                    _name(r.peer), _fmt(r.peer.ms, 3), _speedup(r.vs_peer),
+                    _name(r.composed), _fmt(r.composed.ms, 3), _speedup(r.vs_composed),
+                    "" if decode else _fmt(r.peak_frac, 3), _fmt(r.bw_frac, 3) if decode else "",
+                    _mib(r.kv_cache_mib)])
+    return Table(header, out)
+
+
+def kv_heads_table(group: list[LayerRow]) -> Table:
+    """One decode shape at every Hkv it ran: the cache, the layer's, the peer's and the best
+    composed baseline's time per step."""
+    def named(what: str, bests: list[Best]) -> str:
+        names = {b.impl for b in bests if b.impl}
+        return f"`{names.pop()}` ms" if len(names) == 1 else f"{what} ms"
+    header = ["Hkv", "KV cache MiB", named("layer", [r.layer for r in group]),
+              named("peer", [r.peer for r in group]), "speedup over peer",
+              "best composed ms"]
+    rows = [[f"{r.shape.kv_heads} ({sharing(r.shape.heads, r.shape.kv_heads)})",
+             _mib(r.kv_cache_mib), _fmt(r.layer.ms, 3) or _name(r.layer),
+             _fmt(r.peer.ms, 3) or _name(r.peer), _speedup(r.vs_peer),
+             _fmt(r.composed.ms, 3) or _name(r.composed)] for r in group]
+    return Table(header, rows)
 
 
 def change_table(changes: list[Change]) -> Table:
@@ -185,8 +266,8 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
     """Writes the plots into `out` and returns the report (also written by write())."""
     cpu = results.context.get("mha_cpu_model", "unknown CPU")
     report = Report(f"mha benchmark report: {cpu}")
-    rounds = max((len(results.times(s, i)) for s in results.shapes() for i in results.impls()),
-                 default=0)
+    rounds = max((len(results.times(s, i)) for s in results.all_shapes()
+                  for i in results.impls_of(s)), default=0)
     report.para(
         f"Commit `{results.context.get('mha_commit', '?')}`, size "
         f"`{results.context.get('mha_size', '?')}`, {rounds} round(s) per shape. Times are "
@@ -204,10 +285,17 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
         report.table(Table(["benchmark", "error"],
                            [[f"`{e.shape.name(e.impl)}`", e.error] for e in errors]))
 
-    report.heading("Summary: the fastest kernel against the fastest peer")
-    report.table(headline_table(headlines(results)))
+    attention = _has_attention(results)
+    if attention:
+        report.heading("Summary: the fastest kernel against the fastest peer")
+        report.table(headline_table(headlines(results)))
+    if results.gemm_shapes():
+        _gemm_section(report, results)
+    if results.layer_shapes():
+        _layer_section(report, results, out)
 
-    report.heading("Figures")
+    if attention:
+        report.heading("Figures")
     figures = [
         (plots.prefill_vs_length, "prefill_vs_length.png", "prefill GFLOP/s against length"),
         (plots.decode_vs_length, "decode_vs_length.png", "decode GB/s against cache size"),
@@ -215,7 +303,7 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
         (plots.heads_sweep, "heads_sweep.png", "time against heads at fixed width"),
         (plots.roofline, "roofline.png", "roofline"),
     ]
-    for fn, name, alt in figures:
+    for fn, name, alt in figures if attention else []:
         path = fn(results, out / name)
         if path is not None:
             report.image(path, alt)
@@ -241,7 +329,78 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
             report.heading(family, 3)
         report.para(f"**{shape.label()}**")
         report.table(shape_table(shape_rows(results, shape), shape.family == "decode"))
+    if results.gemm_shapes():
+        report.heading("gemm", 3)
+    for gemm in results.gemm_shapes():
+        report.para(f"**{gemm.label()}**")
+        report.table(shape_table(shape_rows(results, gemm), gemm.m <= 16, gemm_kind, False))
+    if results.layer_shapes():
+        report.heading("layer", 3)
+    for layer in results.layer_shapes():
+        cache = _mib(next((r.kv_cache_mib for r in layer_rows(results) if r.shape == layer),
+                          None))
+        report.para(f"**{layer.step} {layer.label()}**"
+                    + (f" (KV cache {cache} MiB)" if cache else ""))
+        report.table(shape_table(shape_rows(results, layer), layer.step == "decode",
+                                 layer_kind, False))
     return report
+
+
+def _has_attention(results: Results) -> bool:
+    """Whether the report has an attention part: attention shapes, or nothing else (then the
+    attention part's empty tables say so, as before the gemm and layer families)."""
+    return bool(results.shapes()) or not (results.gemm_shapes() or results.layer_shapes())
+
+
+def _dram_note(results: Results) -> str:
+    if results.context_float("probe_dram_gbps_1t"):
+        return ""
+    return (" This run's probe did not measure the DRAM bandwidth, so there are no "
+            "bandwidth fractions.")
+
+
+def _gemm_section(report: Report, results: Results) -> None:
+    report.heading(GEMM_TITLE)
+    report.para(
+        "C = A B with the weight B packed once (not timed): M tokens through a K x N weight. "
+        "Kernels are this project's GEMM kernels (the fastest is named); the libraries are "
+        "the sgemm of " + " and ".join(f"`{lib}`" for lib in GEMM_LIBRARIES) + "; the peer is "
+        "`peer-torch-matmul` (torch.matmul in its own process). A speedup is the other's time "
+        "over the kernel's, round by round. The DRAM bandwidth column (M <= 16 only): the "
+        "weight read once per call, over the probe's DRAM read bandwidth; given when the "
+        "weight does not fit in a cache." + _dram_note(results))
+    report.table(gemm_table(gemm_rows(results)))
+
+
+def _layer_section(report: Report, results: Results, out: Path) -> None:
+    report.heading(LAYER_TITLE)
+    attention = results.context.get("mha_best_kernel")
+    report.para(
+        "The layer is y = MultiHead(x): the Q, K and V projections, attention over the KV "
+        "cache (appended to) and W^O. Prefill: n new tokens; decode: one token after a "
+        "cache of Lk - 1 keys. The project's layer is named by its GEMM kernel"
+        + (f" (its attention kernel: `{attention}`)" if attention else "")
+        + "; `composed-*` are library sgemm with the composed attention (the faster is "
+        "shown); the peer is `peer-torch-layer` (F.linear, scaled_dot_product_attention, "
+        "F.linear). Of FMA peak is given for prefill; of DRAM bandwidth for decode: the four "
+        "weights and the whole KV cache read once, over the probe's DRAM read bandwidth "
+        "(1.0: a step as fast as reading them once at DRAM speed)." + _dram_note(results))
+    rows = layer_rows(results)
+    report.table(layer_table(rows))
+    groups = kv_head_groups(results)
+    if not groups:
+        return
+    report.heading("MHA vs GQA vs MQA (decode)", 3)
+    report.para("The same decode step with fewer KV heads: query heads share them, so the "
+                "cache (and K, V weights) shrink by H / Hkv and a step reads less. In the "
+                "figure, whiskers span the rounds' range.")
+    for group in groups:
+        shape = group[0].shape
+        report.para(f"**{shape.label(kv_heads=False)}**")
+        report.table(kv_heads_table(group))
+    path = plots.layer_decode_vs_kv_heads(results, out / "layer_decode_vs_kv_heads.png")
+    if path is not None:
+        report.image(path, "layer decode time against Hkv")
 
 
 def write(report: Report, out: Path) -> tuple[Path, Path]:
@@ -252,7 +411,15 @@ def write(report: Report, out: Path) -> tuple[Path, Path]:
 
 
 def summary_text(results: Results) -> str:
-    return headline_table(headlines(results)).text()
+    """The summary for the terminal: attention's headline table, then the GEMM and layer
+    tables when the run has them."""
+    parts = [headline_table(headlines(results)).text()] if _has_attention(results) else []
+    if results.gemm_shapes():
+        parts.append(f"{GEMM_TITLE}\n{gemm_table(gemm_rows(results)).text()}")
+    if results.layer_shapes():
+        parts.append(f"{LAYER_TITLE}\n{layer_table(layer_rows(results)).text()}")
+    return "\n\n".join(parts)
 
 
-__all__ = ["build", "write", "summary_text", "Report", "Table", "Shape"]
+__all__ = ["build", "write", "summary_text", "Report", "Table", "Shape", "GemmShape",
+           "LayerShape"]

@@ -5,6 +5,18 @@ threads:<n>`` with Google Benchmark's ``/real_time`` (kernels, baselines) or ``/
 (peers, timed in their own process) after it. With ``--rounds=N`` the same name appears N
 times, in the order the rounds ran: the k-th occurrence of every name of a shape belongs to
 round k, so implementations of one shape pair up round by round.
+
+Two more families measure what surrounds attention (bench/layer_bench.h):
+
+- ``gemm/<impl>/M:<m>/N:<n>/K:<k>/threads:<t>``: C = A B with a packed weight B, for the
+  project's GEMM kernels, the libraries (openblas, onednn) and peer-torch-matmul;
+- ``layer/<impl>/B:<b>/d:<d>/H:<h>/Hkv:<hkv>/D:<D>/n:<n>/Lk:<lk>/causal:<c>/threads:<t>``:
+  the whole attention layer for n new tokens at Lk keys (n > 1: prefill; n = 1 after a
+  cache: one decode step), the project's (named by its GEMM kernel), the composed baselines
+  (``composed-*``) and peer-torch-layer.
+
+Their runs are parsed into GemmShape and LayerShape runs beside the attention ones; the
+statistics (stats.py) take any of the three shapes.
 """
 
 from __future__ import annotations
@@ -13,12 +25,25 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 NAME = re.compile(
     r"^(?P<family>[a-z]+)/(?P<impl>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)/Hkv:(?P<kv_heads>\d+)"
     r"/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)/causal:(?P<causal>[01])"
     r"/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
+GEMM_NAME = re.compile(
+    r"^gemm/(?P<impl>[^/]+)/M:(?P<m>\d+)/N:(?P<n>\d+)/K:(?P<k>\d+)"
+    r"/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
+LAYER_NAME = re.compile(
+    r"^layer/(?P<impl>[^/]+)/B:(?P<batch>\d+)/d:(?P<d>\d+)/H:(?P<heads>\d+)"
+    r"/Hkv:(?P<kv_heads>\d+)/D:(?P<dim>\d+)/n:(?P<new_tokens>\d+)/Lk:(?P<kv_len>\d+)"
+    r"/causal:(?P<causal>[01])/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
+
+# The libraries the gemm family compares with (every other non-peer gemm is a kernel of
+# this project: portable, avx2, avx512, neon, ...).
+GEMM_LIBRARIES = ("openblas", "onednn")
+COUNTERS = ("GFLOPS", "peak_frac", "GBps", "bw_frac", "kv_bytes", "kv_cache_bytes",
+            "dram_gbps_now", "l2_gbps_now", "peak_gflops_now")
 
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -57,6 +82,77 @@ class Shape:
         return self.kv_bytes() + 2 * self.batch * self.heads * self.q_len * self.dim * 4
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n > 1 else ''}"
+
+
+@dataclass(frozen=True, order=True)
+class GemmShape:
+    """C [m][n] = A [m][k] B [k][n]: m tokens through a k x n weight."""
+    family: ClassVar[str] = "gemm"
+    m: int
+    n: int
+    k: int
+    threads: int
+
+    def name(self, impl: str = "*") -> str:
+        return f"gemm/{impl}/M:{self.m}/N:{self.n}/K:{self.k}/threads:{self.threads}"
+
+    def label(self) -> str:
+        """Short, for tables: 'M=1 N=4096 K=4096, 1 thread'."""
+        return f"M={self.m} N={self.n} K={self.k}, {_threads(self.threads)}"
+
+
+@dataclass(frozen=True, order=True)
+class LayerShape:
+    """The whole attention layer: n new tokens of width d, attending to Lk keys (the cache
+    holds Lk - n earlier ones)."""
+    family: ClassVar[str] = "layer"
+    batch: int
+    d: int
+    heads: int
+    kv_heads: int
+    dim: int
+    new_tokens: int
+    kv_len: int
+    causal: bool
+    threads: int
+
+    @property
+    def step(self) -> str:
+        """'decode' for one new token after a cache, else 'prefill'."""
+        return "decode" if self.new_tokens == 1 and self.kv_len > 1 else "prefill"
+
+    def name(self, impl: str = "*") -> str:
+        return (f"layer/{impl}/B:{self.batch}/d:{self.d}/H:{self.heads}/Hkv:{self.kv_heads}"
+                f"/D:{self.dim}/n:{self.new_tokens}/Lk:{self.kv_len}/causal:{int(self.causal)}"
+                f"/threads:{self.threads}")
+
+    def label(self, kv_heads: bool = True) -> str:
+        """Short, for tables: 'd=4096 H=32 Hkv=8 D=128 n=2048 causal, 1 thread' (prefill) or
+        'd=4096 H=32 Hkv=8 D=128 Lk=8192, 1 thread' (decode); without Hkv= if not kv_heads."""
+        if self.step == "decode":
+            tokens = f"Lk={self.kv_len}"
+        elif self.kv_len == self.new_tokens:
+            tokens = f"n={self.new_tokens}{' causal' if self.causal else ''}"
+        else:
+            tokens = f"n={self.new_tokens} Lk={self.kv_len}{' causal' if self.causal else ''}"
+        batch = f"B={self.batch} " if self.batch != 1 else ""
+        hkv = f" Hkv={self.kv_heads}" if kv_heads else ""
+        return (f"{batch}d={self.d} H={self.heads}{hkv} D={self.dim} {tokens}, "
+                f"{_threads(self.threads)}")
+
+
+AnyShape = Shape | GemmShape | LayerShape
+
+
+def sharing(heads: int, kv_heads: int) -> str:
+    """MHA, GQA (with its group size: query heads per KV head) or MQA."""
+    if kv_heads == heads:
+        return "MHA"
+    return "MQA" if kv_heads == 1 else f"GQA g={heads // kv_heads}"
+
+
 def is_peer(impl: str) -> bool:
     return impl.startswith("peer-")
 
@@ -66,14 +162,31 @@ def is_kernel(impl: str) -> bool:
     return not is_peer(impl) and not impl.startswith("composed-")
 
 
+def is_library(impl: str) -> bool:
+    """A BLAS library of the gemm family (openblas, onednn)."""
+    return impl in GEMM_LIBRARIES
+
+
+def is_composed(impl: str) -> bool:
+    """A baseline composed from a library's sgemm (attention and layer families)."""
+    return impl.startswith("composed-")
+
+
+def is_own(shape: AnyShape, impl: str) -> bool:
+    """This project's implementation of the shape: an attention kernel, a GEMM kernel (not a
+    library) or the project's layer (named by its GEMM kernel)."""
+    return is_kernel(impl) and not (isinstance(shape, GemmShape) and is_library(impl))
+
+
 @dataclass
 class Run:
-    shape: Shape
+    shape: AnyShape
     impl: str
     seconds: float  # per call, wall clock (manual time for peers)
     counters: dict[str, float]
     label: str = ""
     error: str = ""
+    round: int = 0  # k - 1 for the k-th occurrence of its name
 
 
 @dataclass
@@ -84,9 +197,24 @@ class Results:
     raw: dict[str, Any] = field(default_factory=dict)
 
     def shapes(self) -> list[Shape]:
-        return sorted({r.shape for r in self.runs},
+        """The attention shapes (prefill, decode, heads, then any other family)."""
+        return sorted({r.shape for r in self.runs if isinstance(r.shape, Shape)},
                       key=lambda s: (["prefill", "decode", "heads"].index(s.family)
                                      if s.family in ("prefill", "decode", "heads") else 9, s))
+
+    def gemm_shapes(self) -> list[GemmShape]:
+        """By M, N, K, then threads."""
+        return sorted({r.shape for r in self.runs if isinstance(r.shape, GemmShape)})
+
+    def layer_shapes(self) -> list[LayerShape]:
+        """Prefill before decode, then by width, heads, KV heads (most first), length and
+        threads."""
+        return sorted({r.shape for r in self.runs if isinstance(r.shape, LayerShape)},
+                      key=lambda s: (s.step != "prefill", s.d, s.heads, -s.kv_heads, s.dim,
+                                     s.new_tokens, s.kv_len, s.batch, s.causal, s.threads))
+
+    def all_shapes(self) -> list[AnyShape]:
+        return [*self.shapes(), *self.gemm_shapes(), *self.layer_shapes()]
 
     def impls(self) -> list[str]:
         """Every implementation, in the order they first ran."""
@@ -95,11 +223,29 @@ class Results:
             seen.setdefault(r.impl, None)
         return list(seen)
 
-    def times(self, shape: Shape, impl: str) -> list[float]:
+    def impls_of(self, shape: AnyShape) -> list[str]:
+        """The implementations that ran the shape (errors included), in the order they ran."""
+        seen: dict[str, None] = {}
+        for r in self.runs:
+            if r.shape == shape:
+                seen.setdefault(r.impl, None)
+        return list(seen)
+
+    def times(self, shape: AnyShape, impl: str) -> list[float]:
         """Seconds per call of every round (errors left out)."""
         return [r.seconds for r in self.runs if r.shape == shape and r.impl == impl and not r.error]
 
-    def counter(self, shape: Shape, impl: str, key: str) -> list[float]:
+    def round_times(self, shape: AnyShape, impl: str) -> dict[int, float]:
+        """Seconds per call by round (rounds with an error left out)."""
+        return {r.round: r.seconds for r in self.runs
+                if r.shape == shape and r.impl == impl and not r.error}
+
+    def failed(self, shape: AnyShape, impl: str) -> bool:
+        """Whether the implementation ran the shape only with errors."""
+        mine = [r for r in self.runs if r.shape == shape and r.impl == impl]
+        return bool(mine) and all(r.error for r in mine)
+
+    def counter(self, shape: AnyShape, impl: str, key: str) -> list[float]:
         return [r.counters[key] for r in self.runs
                 if r.shape == shape and r.impl == impl and not r.error and key in r.counters]
 
@@ -113,24 +259,39 @@ class Results:
             return None
 
 
+def parse_name(name: str) -> tuple[AnyShape, str] | None:
+    """The shape and implementation a benchmark name stands for; None for other names."""
+    if m := GEMM_NAME.match(name):
+        g = {k: int(v) for k, v in m.groupdict().items() if k != "impl"}
+        return GemmShape(g["m"], g["n"], g["k"], g["threads"]), m["impl"]
+    if m := LAYER_NAME.match(name):
+        g = {k: int(v) for k, v in m.groupdict().items() if k != "impl"}
+        return LayerShape(g["batch"], g["d"], g["heads"], g["kv_heads"], g["dim"],
+                          g["new_tokens"], g["kv_len"], g["causal"] == 1, g["threads"]), m["impl"]
+    if m := NAME.match(name):
+        g = m.groupdict()
+        return Shape(g["family"], int(g["batch"]), int(g["heads"]), int(g["kv_heads"]),
+                     int(g["q_len"]), int(g["kv_len"]), int(g["dim"]), g["causal"] == "1",
+                     int(g["threads"])), g["impl"]
+    return None
+
+
 def parse(data: dict[str, Any], source: str = "") -> Results:
     runs = []
+    seen: dict[tuple[AnyShape, str], int] = {}  # occurrences so far: the next run's round
     for b in data.get("benchmarks", []):
         if b.get("run_type", "iteration") != "iteration":
             continue  # aggregates: recomputed from the runs themselves
-        m = NAME.match(b.get("name", ""))
-        if m is None:
+        parsed = parse_name(b.get("name", ""))
+        if parsed is None:
             continue
-        g = m.groupdict()
-        shape = Shape(g["family"], int(g["batch"]), int(g["heads"]), int(g["kv_heads"]),
-                      int(g["q_len"]), int(g["kv_len"]), int(g["dim"]), g["causal"] == "1",
-                      int(g["threads"]))
+        shape, impl = parsed
         error = b.get("error_message", "") if b.get("error_occurred") else ""
         seconds = float(b.get("real_time", 0.0)) * _UNIT_SECONDS[b.get("time_unit", "ns")]
-        counters = {k: float(v) for k, v in b.items()
-                    if k in ("GFLOPS", "peak_frac", "GBps", "bw_frac", "kv_bytes",
-                             "dram_gbps_now", "l2_gbps_now", "peak_gflops_now")}
-        runs.append(Run(shape, g["impl"], seconds, counters, b.get("label", ""), error))
+        counters = {k: float(v) for k, v in b.items() if k in COUNTERS}
+        round_ = seen.get((shape, impl), 0)
+        seen[(shape, impl)] = round_ + 1
+        runs.append(Run(shape, impl, seconds, counters, b.get("label", ""), error, round_))
     return Results(dict(data.get("context", {})), runs, source, data)
 
 

@@ -5,6 +5,10 @@ Timings on shared machines drift by up to 30 % over minutes, so a ratio of two
 implementations is never a ratio of their medians from different moments: it is taken round
 by round (the k-th run of each, measured next to each other by mha_bench --rounds), and the
 report gives the median of those ratios with their range.
+
+The same holds for the gemm and layer families: gemm_rows (the fastest kernel against the
+fastest library and peer) and layer_rows (the project's layer against the peer and the
+fastest composed baseline) are made of the same paired ratios and spreads.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .results import Results, Shape, is_kernel, is_peer
+from .results import (AnyShape, GemmShape, LayerShape, Results, Shape, is_composed, is_kernel,
+                      is_library, is_own, is_peer)
 
 # Debian's libbenchmark-tools installs compare.py's statistics here; they are reused, not
 # rewritten (python3-scipy or the virtual environment's scipy provides mannwhitneyu).
@@ -40,18 +45,19 @@ class Spread:
         return f"{self.median:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
 
 
-def paired_ratios(results: Results, shape: Shape, slower: str, faster: str) -> list[float]:
-    """time(slower) / time(faster) round by round: > 1 when `faster` is faster."""
-    a, b = results.times(shape, slower), results.times(shape, faster)
-    return [x / y for x, y in zip(a, b) if y > 0]
+def paired_ratios(results: Results, shape: AnyShape, slower: str, faster: str) -> list[float]:
+    """time(slower) / time(faster) round by round: > 1 when `faster` is faster. A round in
+    which either failed is left out (the others still pair with their own round)."""
+    a, b = results.round_times(shape, slower), results.round_times(shape, faster)
+    return [a[k] / b[k] for k in sorted(a.keys() & b.keys()) if b[k] > 0]
 
 
-def median_time(results: Results, shape: Shape, impl: str) -> float | None:
+def median_time(results: Results, shape: AnyShape, impl: str) -> float | None:
     times = results.times(shape, impl)
     return statistics.median(times) if times else None
 
 
-def fastest(results: Results, shape: Shape, impls: list[str]) -> str | None:
+def fastest(results: Results, shape: AnyShape, impls: list[str]) -> str | None:
     timed = [(t, i) for i in impls if (t := median_time(results, shape, i)) is not None]
     return min(timed)[1] if timed else None
 
@@ -68,7 +74,7 @@ class Row:
     vs_best_peer: Spread | None  # time(best peer) / time(impl), round by round
 
 
-def shape_rows(results: Results, shape: Shape) -> list[Row]:
+def shape_rows(results: Results, shape: AnyShape) -> list[Row]:
     """Every implementation that ran this shape, fastest first."""
     impls = [i for i in results.impls() if results.times(shape, i)]
     best_peer = fastest(results, shape, [i for i in impls if is_peer(i)])
@@ -112,6 +118,113 @@ def headlines(results: Results) -> list[Headline]:
             median_time(results, shape, peer) * 1e3 if peer else None,
             Spread.of(paired_ratios(results, shape, peer, kernel)) if peer else None))
     return out
+
+
+@dataclass
+class Best:
+    """The fastest implementation of one kind on a shape (None: none ran without an error;
+    `failed` then says whether one ran with errors only)."""
+    impl: str | None
+    ms: Spread | None = None
+    failed: bool = False
+
+
+def best_of(results: Results, shape: AnyShape, impls: list[str]) -> Best:
+    """The fastest of `impls` (by median time) on the shape, its milliseconds per call."""
+    impl = fastest(results, shape, impls)
+    if impl is None:
+        return Best(None, None, any(results.failed(shape, i) for i in impls))
+    return Best(impl, Spread.of([t * 1e3 for t in results.times(shape, impl)]))
+
+
+def _speedup_over(results: Results, shape: AnyShape, other: Best, mine: Best
+                  ) -> Spread | None:
+    """time(other) / time(mine), round by round."""
+    if other.impl is None or mine.impl is None:
+        return None
+    return Spread.of(paired_ratios(results, shape, other.impl, mine.impl))
+
+
+def _counter(results: Results, shape: AnyShape, best: Best, key: str) -> Spread | None:
+    return Spread.of(results.counter(shape, best.impl, key)) if best.impl else None
+
+
+@dataclass
+class GemmRow:
+    """One GEMM shape: this project's fastest kernel against the fastest library and peer."""
+    shape: GemmShape
+    kernel: Best
+    gflops: Spread | None
+    peak_frac: Spread | None
+    bw_frac: Spread | None  # the kernel's, when the weight is read from DRAM (M <= 16)
+    library: Best
+    library_gflops: Spread | None
+    vs_library: Spread | None  # time(best library) / time(best kernel), round by round
+    peer: Best
+    vs_peer: Spread | None  # time(best peer) / time(best kernel), round by round
+
+
+def gemm_rows(results: Results) -> list[GemmRow]:
+    """Per GEMM shape (M, N, K, threads): the kernel, library and peer figures."""
+    out = []
+    for shape in results.gemm_shapes():
+        impls = results.impls_of(shape)
+        kernel = best_of(results, shape, [i for i in impls if is_own(shape, i)])
+        library = best_of(results, shape, [i for i in impls if is_library(i)])
+        peer = best_of(results, shape, [i for i in impls if is_peer(i)])
+        out.append(GemmRow(
+            shape, kernel, _counter(results, shape, kernel, "GFLOPS"),
+            _counter(results, shape, kernel, "peak_frac"),
+            _counter(results, shape, kernel, "bw_frac"),
+            library, _counter(results, shape, library, "GFLOPS"),
+            _speedup_over(results, shape, library, kernel),
+            peer, _speedup_over(results, shape, peer, kernel)))
+    return out
+
+
+@dataclass
+class LayerRow:
+    """One layer shape: this project's layer against the peer and the composed baselines."""
+    shape: LayerShape
+    layer: Best  # the project's layer (named by its GEMM kernel)
+    peer: Best
+    vs_peer: Spread | None  # time(best peer) / time(layer), round by round
+    composed: Best
+    vs_composed: Spread | None  # time(best composed) / time(layer), round by round
+    peak_frac: Spread | None  # the layer's
+    bw_frac: Spread | None  # the layer's; decode only: weights + KV cache over DRAM bandwidth
+    kv_cache_mib: float | None
+
+
+def layer_rows(results: Results) -> list[LayerRow]:
+    """Per layer shape (prefill or decode, d, H, Hkv, n or Lk, threads)."""
+    out = []
+    for shape in results.layer_shapes():
+        impls = results.impls_of(shape)
+        layer = best_of(results, shape, [i for i in impls if is_own(shape, i)])
+        peer = best_of(results, shape, [i for i in impls if is_peer(i)])
+        composed = best_of(results, shape, [i for i in impls if is_composed(i)])
+        cache = [v for i in impls for v in results.counter(shape, i, "kv_cache_bytes")]
+        out.append(LayerRow(
+            shape, layer, peer, _speedup_over(results, shape, peer, layer),
+            composed, _speedup_over(results, shape, composed, layer),
+            _counter(results, shape, layer, "peak_frac"),
+            _counter(results, shape, layer, "bw_frac"),
+            max(cache) / 2**20 if cache else None))
+    return out
+
+
+def kv_head_groups(results: Results) -> list[list[LayerRow]]:
+    """The decode layer shapes that differ only in Hkv (MHA, GQA, MQA), at least two Hkv a
+    group, each group's rows with the most KV heads first."""
+    groups: dict[tuple, list[LayerRow]] = {}
+    for row in layer_rows(results):
+        s = row.shape
+        if s.step == "decode":
+            key = (s.batch, s.d, s.heads, s.dim, s.new_tokens, s.kv_len, s.causal, s.threads)
+            groups.setdefault(key, []).append(row)
+    return [sorted(g, key=lambda r: -r.shape.kv_heads) for _, g in sorted(groups.items())
+            if len({r.shape.kv_heads for r in g}) >= 2]
 
 
 @dataclass
