@@ -8,6 +8,8 @@
 // two FMAs a cycle, 6 cycles a step for 8 loads: the FMA ports are the limit. The B
 // micro-panel (kc x 16 floats, 24 KiB at kc = 384) stays in L1 for the block's A panels.
 //
+// Few rows (decode): B streams from memory once, prefetched 8 KiB ahead (kAhead).
+//
 // Tails: rows through with_count; columns past n are zero in the packed B, computed, and not
 // stored (VMASKMOVPS loads and stores of C and bias touch only the real columns).
 //
@@ -26,6 +28,9 @@ namespace {
 
 constexpr int kMr = 6;
 constexpr int kNr = 16;
+// As avx512.cpp: a call of at most kStreamRows rows prefetches its B panel 8 KiB ahead.
+constexpr int kStreamRows = 4;
+constexpr std::int64_t kAhead = 2048;
 
 // Lanes [0, n) of a vector set (n clamped to 0..8), as a VMASKMOVPS mask.
 __m256i lanes(std::int64_t n) {
@@ -47,6 +52,7 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
     }
   }
   for (std::int64_t l = 0; l < kc; ++l) {
+    if (R <= kStreamRows) __builtin_prefetch(bp + l * kNr + kAhead);
     const __m256 b0 = _mm256_loadu_ps(bp + l * kNr);
     const __m256 b1 = _mm256_loadu_ps(bp + l * kNr + 8);
     const float* a = ap + l * kMr;

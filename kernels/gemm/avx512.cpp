@@ -9,6 +9,8 @@
 // of the two load ports: the FMA ports are the limit. The B micro-panel (kc x 32 floats, 24
 // KiB at kc = 192) stays in L1 for the mc / 12 A panels of the block, which stream from L2.
 //
+// Few rows (decode): B streams from memory once; software prefetch 8 KiB ahead (kAhead).
+//
 // Tails: rows through with_count (the microkernel for the rows left); columns past n are
 // zero in the packed B, computed, and not stored (masked loads and stores of C and bias).
 //
@@ -27,6 +29,12 @@ namespace {
 
 constexpr int kMr = 12;
 constexpr int kNr = 32;
+// A call of at most kStreamRows rows (a decode step's few tokens) reads its B panel once,
+// from memory: it prefetches kAhead floats (8 KiB) ahead of its loads. Reading a 64 MiB
+// weight with one row of A, 1 thread: 9-11% faster than the hardware prefetchers alone
+// (e.g. 18.5 against 16.6 GB/s, medians of 40 cold calls; Intel Xeon model 207).
+constexpr int kStreamRows = 4;
+constexpr std::int64_t kAhead = 2048;
 
 template <int R>
 void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int64_t ldc,
@@ -45,6 +53,10 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
     }
   }
   for (std::int64_t l = 0; l < kc; ++l) {
+    if (R <= kStreamRows) {
+      __builtin_prefetch(bp + l * kNr + kAhead);
+      __builtin_prefetch(bp + l * kNr + kAhead + 16);
+    }
     const __m512 b0 = _mm512_loadu_ps(bp + l * kNr);
     const __m512 b1 = _mm512_loadu_ps(bp + l * kNr + 16);
     const float* a = ap + l * kMr;

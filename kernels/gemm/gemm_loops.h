@@ -30,7 +30,7 @@ struct GemmBlocking {
 /// pass meets it; a multiple of mr, at most 1024 rows. kc 192, 2 MiB: 1020 rows with mr 12;
 /// kc 128, 512 KiB: 504.
 /// Neither changes a result: an element is one accumulation in order over l whatever the
-/// blocking (mha/gemm.h).
+/// blocking (mha/gemm.h). gemm_loops takes kc = k when m <= mr (one row panel).
 inline GemmBlocking gemm_blocking(std::int64_t mr, std::int64_t nr, const Caches& c = caches()) {
   constexpr std::int64_t kMinDepth = 64, kMaxDepth = 512, kMaxRows = 1024;
   const std::int64_t f = std::int64_t{sizeof(float)};
@@ -55,7 +55,10 @@ inline GemmBlocking gemm_blocking(std::int64_t mr, std::int64_t nr, const Caches
 template <int kMr, int kNr, typename Micro>
 void gemm_loops(const GemmProblem& p, const float* a, const float* b, const float* bias, float* c,
                 Micro&& micro) {
-  const GemmBlocking blocking = gemm_blocking(kMr, kNr);
+  GemmBlocking blocking = gemm_blocking(kMr, kNr);
+  // One row panel (a decode step's m <= mr tokens): no B micro-panel is read twice, so a pass
+  // is the whole depth and each B panel one contiguous stream from memory.
+  if (p.m <= kMr) blocking.kc = p.k;
   for (std::int64_t l0 = 0; l0 < p.k; l0 += blocking.kc) {
     const std::int64_t kc = std::min(blocking.kc, p.k - l0);
     const bool first = l0 == 0;
