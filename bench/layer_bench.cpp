@@ -79,12 +79,19 @@ bool reads_dram(const Probe& probe, double bytes) {
   return bytes > 0 && probe.level_of(static_cast<std::int64_t>(bytes)) == Level::dram;
 }
 
+// What a cold call reads before it (timed_loop): 3x the reported last-level cache, at least
+// 256 MiB.
+std::int64_t flush_bytes(const Probe& probe) {
+  return std::max<std::int64_t>(3 * probe.caches.last_level(), std::int64_t{256} << 20);
+}
+
 // The timed loop; returns the seconds of the calls alone. Cold: before each call, untimed,
 // a buffer of 3x the reported last-level cache (at least 256 MiB) is read, so that no call
 // finds its data in any cache whatever the true cache sizes (a VM may report 300 MiB of L3
 // that reads at DRAM speed while the host's L3 keeps part of a 64 MiB weight read again and
 // again: the same weight read every call streamed at 1.03-1.4x the DRAM figure). The
 // attention decode rotates over copies of its cache instead; here a copy would be a layer.
+// The peers do the same in their server (prepare's cold=).
 double timed_loop(benchmark::State& state, const Probe& probe, bool cold,
                   const std::function<void()>& call) {
   using clock = std::chrono::steady_clock;
@@ -97,11 +104,8 @@ double timed_loop(benchmark::State& state, const Probe& probe, bool cold,
     return std::chrono::duration<double>(clock::now() - start).count();
   }
   static std::vector<float> flush;
-  if (flush.empty()) {
-    const std::int64_t bytes =
-        std::max<std::int64_t>(3 * probe.caches.last_level(), std::int64_t{256} << 20);
-    flush.assign(static_cast<std::size_t>(bytes) / sizeof(float), 1.0f);
-  }
+  if (flush.empty())
+    flush.assign(static_cast<std::size_t>(flush_bytes(probe)) / sizeof(float), 1.0f);
   double seconds = 0.0;
   for (auto _ : state) {
     state.PauseTiming();
@@ -312,8 +316,10 @@ void run_gemm_peer(benchmark::State& state, PeerServer& server, const std::strin
   GemmData& d = gemm_data(c);
   std::fill(d.out.begin(), d.out.end(), std::nanf(""));
   std::string why;
+  const double bytes = c.m <= 16 ? gemm_weight_bytes(c) : 0.0;
+  const bool cold = reads_dram(probe, bytes);
   const double once = server.prepare_gemm(peer, {c.m, c.n, c.k}, c.threads, d.a.data(), d.b.data(),
-                                          d.out.data(), &why);
+                                          d.out.data(), &why, cold ? flush_bytes(probe) : 0);
   if (once >= 0) {
     const std::string error = check_gemm_output(d);
     if (!error.empty()) {
@@ -322,10 +328,9 @@ void run_gemm_peer(benchmark::State& state, PeerServer& server, const std::strin
       return;
     }
   }
-  // Timed in its own process on the same weight every call, which may stay partly in a cache
-  // (timed_loop): no bandwidth figure, and a time that may favour the peer.
+  // Cold like the kernels when the weight is read from memory (the server's cold=).
   const double seconds = time_peer(state, server, once, peer + ": " + why);
-  if (seconds > 0) set_rate_counters(state, probe, "", c.threads, gemm_flops(c), 0.0, seconds);
+  if (seconds > 0) set_rate_counters(state, probe, "", c.threads, gemm_flops(c), bytes, seconds);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -642,7 +647,10 @@ void run_layer_peer(benchmark::State& state, PeerServer& server, const std::stri
   t.y = d.y.data();
   std::fill(d.y.begin(), d.y.end(), std::nanf(""));
   std::string why;
-  const double once = server.prepare_layer(peer, s, c.threads, t, &why);
+  const double bytes = s.n == 1 ? layer_bytes(s) : 0.0;
+  const bool cold = reads_dram(probe, bytes);
+  const double once =
+      server.prepare_layer(peer, s, c.threads, t, &why, cold ? flush_bytes(probe) : 0);
   if (once >= 0) {
     const std::string error = check_layer_output(d, kPeerExpUlp);
     if (!error.empty()) {
@@ -652,8 +660,8 @@ void run_layer_peer(benchmark::State& state, PeerServer& server, const std::stri
     }
   }
   const double seconds = time_peer(state, server, once, peer + ": " + why);
-  if (seconds > 0) {  // warm, as in run_gemm_peer: no bandwidth figure
-    set_rate_counters(state, probe, "", c.threads, layer_flops(s), 0.0, seconds);
+  if (seconds > 0) {  // cold like the layer when it reads from memory
+    set_rate_counters(state, probe, "", c.threads, layer_flops(s), bytes, seconds);
     state.counters["kv_cache_bytes"] =
         static_cast<double>(KvCache::bytes(c.config(), s.batch, s.past + s.n));
   }

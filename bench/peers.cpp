@@ -220,9 +220,11 @@ bool PeerServer::supports_gemm(const std::string& peer, const GemmShape& s, std:
 }
 
 double PeerServer::prepare_gemm(const std::string& peer, const GemmShape& s, int threads,
-                                const float* a, const float* b, float* c, std::string* why) {
+                                const float* a, const float* b, float* c, std::string* why,
+                                std::int64_t cold) {
   std::ostringstream os;
   os << "prepare_gemm " << peer << " " << gemm_fields(s) << " threads=" << threads;
+  if (cold > 0) os << " cold=" << cold;
   if (!add_path(os, "a", a, why) || !add_path(os, "b", b, why) || !add_path(os, "c", c, why)) {
     return -1.0;
   }
@@ -234,9 +236,10 @@ bool PeerServer::supports_layer(const std::string& peer, const LayerShape& s, st
 }
 
 double PeerServer::prepare_layer(const std::string& peer, const LayerShape& s, int threads,
-                                 const LayerTensors& t, std::string* why) {
+                                 const LayerTensors& t, std::string* why, std::int64_t cold) {
   std::ostringstream os;
   os << "prepare_layer " << peer << " " << layer_fields(s) << " threads=" << threads;
+  if (cold > 0) os << " cold=" << cold;
   const std::pair<const char*, const void*> always[] = {{"x", t.x},   {"wq", t.wq}, {"wk", t.wk},
                                                         {"wv", t.wv}, {"wo", t.wo}, {"y", t.y}};
   const std::pair<const char*, const void*> biases[] = {

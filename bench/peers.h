@@ -11,12 +11,12 @@
 //            prepare <name> <problem> threads=<n> q=<paths> k=<paths> v=<paths> o=<path>
 //                                       ->  ok <seconds of one call> | error <why>
 //            supports_gemm <name> <gemm>  ->  yes | no <why>
-//            prepare_gemm <name> <gemm> threads=<n> a=<path> b=<path> c=<path>
+//            prepare_gemm <name> <gemm> threads=<n> a=<path> b=<path> c=<path> [cold=<bytes>]
 //                                       ->  ok <seconds of one call> | error <why>
 //            supports_layer <name> <layer>  ->  yes | no <why>
 //            prepare_layer <name> <layer> threads=<n> x=<path> wq=<path> wk=<path>
 //                    wv=<path> wo=<path> [bq= bk= bv= bo=<path>] [k_cache= v_cache=<path>]
-//                    y=<path>                ->  ok <seconds of one call> | error <why>
+//                    y=<path> [cold=<bytes>] ->  ok <seconds of one call> | error <why>
 //            run <n>                    ->  ok <seconds of n calls> | error <why>
 //            release                    ->  ok
 //   <problem>: batch= q_len= kv_len= q_heads= kv_heads= head_dim= causal= scale= and each
@@ -27,6 +27,9 @@
 //   attention layer (mha/layer.h) on n new tokens of each of `batch` sequences with `past`
 //   tokens already in the cache (LayerShape, LayerTensors below). The biases are sent with
 //   bias=1 only; the caches are required when past > 0, optional when past = 0.
+//   cold=<bytes>: run reads a buffer of that many bytes before each call, untimed, and times
+//   the calls alone, so that each finds its weights (and cache) in no cache, as mha_bench's
+//   own calls of such a problem do.
 //
 // Every peer computes one kind of problem: peer-torch-sdpa, peer-ort-attention, peer-ort-gqa
 // and peer-openvino-sdpa attention, peer-torch-matmul GEMMs, peer-torch-layer layers. A
@@ -158,15 +161,16 @@ class PeerServer {
   bool supports_gemm(const std::string& peer, const GemmShape& s, std::string* why);
   /// Prepares the GEMM on a, b and c (memory from shared_allocate), calls it once (writing
   /// c) and returns the seconds that call took, or a negative number with `why` set.
+  /// `cold`: bytes run reads before each call, untimed (0: none).
   double prepare_gemm(const std::string& peer, const GemmShape& s, int threads, const float* a,
-                      const float* b, float* c, std::string* why);
+                      const float* b, float* c, std::string* why, std::int64_t cold = 0);
   /// Whether `peer` computes this layer; otherwise `why` says why not (also for the
   /// attention and GEMM peers).
   bool supports_layer(const std::string& peer, const LayerShape& s, std::string* why);
   /// Prepares the layer on t (memory from shared_allocate), calls it once (writing t.y) and
   /// returns the seconds that call took, or a negative number with `why` set.
   double prepare_layer(const std::string& peer, const LayerShape& s, int threads,
-                       const LayerTensors& t, std::string* why);
+                       const LayerTensors& t, std::string* why, std::int64_t cold = 0);
   /// Seconds for n calls of the last prepared problem, of any kind, timed in the server, or
   /// a negative number with `why` set.
   double run(long long n, std::string* why);

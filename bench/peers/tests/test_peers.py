@@ -401,8 +401,17 @@ def test_server_gemm_requests() -> None:
         assert (np.abs(c - exact) <= gemm_bound(t.a, t.b)).all()
         assert server.handle("run 5").startswith("ok ")
         assert server.handle("release") == "ok"
+        # cold=: a flush before each timed call; the same output, a time for the calls alone
+        reply = server.handle(f"prepare_gemm peer-torch-matmul {shape} threads=1 cold=65536 "
+                              f"a={paths['a']} b={paths['b']} c={paths['c']}")
+        assert reply.startswith("ok "), reply
+        assert server.flush is not None and server.flush.nbytes == 65536
+        assert float(server.handle("run 3").split()[1]) > 0
+        assert (read_shared(paths["c"], (s.m, s.n)) == c).all()
+        assert server.handle("release") == "ok"
         assert server.handle(f"prepare_gemm peer-torch-matmul {shape} threads=1 "
                              f"a={paths['a']} b={paths['b']}").startswith("error ")
+        assert server.flush is None
     finally:
         for fd in fds:
             os.close(fd)
