@@ -5,6 +5,14 @@
 #include <cstring>
 #include <limits>
 
+#if MHA_HAVE_OPENBLAS
+#include <cblas.h>
+#endif
+#if MHA_HAVE_ONEDNN
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
 namespace mha::bench {
 
 namespace {
@@ -116,5 +124,25 @@ void Composed::run(const Problem& p, const float* q, const float* k, const float
     }
   }
 }
+
+#if MHA_HAVE_OPENBLAS
+void openblas_sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                    const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                    std::int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
+              static_cast<blasint>(ldc));
+}
+void openblas_threads(int threads) { openblas_set_num_threads(threads); }
+#endif
+#if MHA_HAVE_ONEDNN
+void onednn_sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                  const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                  std::int64_t ldc) {
+  dnnl_sgemm('N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+}
+void onednn_threads(int threads) { omp_set_num_threads(threads); }
+#endif
 
 }  // namespace mha::bench

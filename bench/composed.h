@@ -17,6 +17,18 @@ using Sgemm = void (*)(bool trans_b, std::int64_t m, std::int64_t n, std::int64_
                        const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
                        std::int64_t ldc);
 
+/// The libraries' sgemm as an Sgemm, and the call that sets their thread count (OpenBLAS's
+/// own; oneDNN's is OpenMP's). Defined when the library was found (MHA_HAVE_OPENBLAS,
+/// MHA_HAVE_ONEDNN).
+void openblas_sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                    const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                    std::int64_t ldc);
+void openblas_threads(int threads);
+void onednn_sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                  const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                  std::int64_t ldc);
+void onednn_threads(int threads);
+
 class Composed {
  public:
   explicit Composed(Sgemm gemm) : gemm_(gemm) {}

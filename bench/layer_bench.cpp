@@ -19,14 +19,6 @@
 #include "composed.h"
 #include "layer.h"
 
-#if MHA_HAVE_OPENBLAS
-#include <cblas.h>
-#endif
-#if MHA_HAVE_ONEDNN
-#include <omp.h>
-#include <oneapi/dnnl/dnnl.h>
-#endif
-
 namespace mha::bench {
 namespace {
 
@@ -266,26 +258,23 @@ std::vector<GemmImpl> gemm_impls() {
                    },
                    g.isa == Isa::scalar});
   }
+  // The libraries' sgemm, their threads set to the benchmark's (composed.h).
+  const auto library = [&out](const char* name, Sgemm sgemm, void (*set_threads)(int)) {
+    out.push_back({name, "", [sgemm, set_threads](GemmData& d) {
+                     return std::function<void(int)>([&d, sgemm, set_threads](int threads) {
+                       set_threads(threads);
+                       sgemm(false, d.c.m, d.c.n, d.c.k, 1.0f, d.a.data(), d.c.k, d.b.data(), d.c.n,
+                             d.out.data(), d.c.n);
+                     });
+                   }});
+  };
 #if MHA_HAVE_OPENBLAS
-  out.push_back({"openblas", "", [](GemmData& d) {
-                   return std::function<void(int)>([&d](int threads) {
-                     openblas_set_num_threads(threads);
-                     const auto m = static_cast<blasint>(d.c.m), n = static_cast<blasint>(d.c.n),
-                                k = static_cast<blasint>(d.c.k);
-                     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f,
-                                 d.a.data(), k, d.b.data(), n, 0.0f, d.out.data(), n);
-                   });
-                 }});
+  library("openblas", &openblas_sgemm, &openblas_threads);
 #endif
 #if MHA_HAVE_ONEDNN
-  out.push_back({"onednn", "", [](GemmData& d) {
-                   return std::function<void(int)>([&d](int threads) {
-                     omp_set_num_threads(threads);
-                     dnnl_sgemm('N', 'N', d.c.m, d.c.n, d.c.k, 1.0f, d.a.data(), d.c.k, d.b.data(),
-                                d.c.n, 0.0f, d.out.data(), d.c.n);
-                   });
-                 }});
+  library("onednn", &onednn_sgemm, &onednn_threads);
 #endif
+  (void)library;  // unused when neither library was found
   return out;
 }
 
@@ -545,24 +534,6 @@ class ComposedLayer {
   std::vector<float> q_, o_, k_, v_;
 };
 
-#if MHA_HAVE_OPENBLAS
-void openblas_sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-                    const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
-                    std::int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
-              static_cast<blasint>(ldc));
-}
-#endif
-#if MHA_HAVE_ONEDNN
-void onednn_sgemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-                  const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
-                  std::int64_t ldc) {
-  dnnl_sgemm('N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
-}
-#endif
-
 std::vector<LayerImpl> layer_impls() {
   std::vector<LayerImpl> out;
   // The project's layer on its best GEMM kernel (its name is the benchmark's) and best
@@ -586,10 +557,10 @@ std::vector<LayerImpl> layer_impls() {
                    }});
   };
 #if MHA_HAVE_OPENBLAS
-  composed("composed-openblas", &openblas_sgemm, [](int n) { openblas_set_num_threads(n); });
+  composed("composed-openblas", &openblas_sgemm, &openblas_threads);
 #endif
 #if MHA_HAVE_ONEDNN
-  composed("composed-onednn", &onednn_sgemm, [](int n) { omp_set_num_threads(n); });
+  composed("composed-onednn", &onednn_sgemm, &onednn_threads);
 #endif
   (void)composed;
   return out;
@@ -669,32 +640,38 @@ void run_layer_peer(benchmark::State& state, PeerServer& server, const std::stri
 
 }  // namespace
 
-void register_gemm_benchmarks(const LayerBenchOptions& o) {
-  static const std::vector<GemmImpl> impls = gemm_impls();
-  for (const GemmCase& c : gemm_cases(o)) {
+namespace {
+
+// Registers every case of a family: each implementation (run), then each peer that
+// supports the case (run_peer), `rounds` times in turn, as main does for attention.
+template <typename Case, typename Impl, typename Supports, typename Run, typename RunPeer,
+          typename Skip>
+void register_family(const LayerBenchOptions& o, const std::vector<Case>& cases,
+                     const std::vector<Impl>& impls, Supports supports, Run run, RunPeer run_peer,
+                     Skip skip) {
+  for (const Case& c : cases) {
     std::vector<std::string> peers;
     if (o.server != nullptr) {
       for (const PeerInfo& peer : o.server->peers()) {
         std::string why;
-        if (o.server->supports_gemm(peer.name, {c.m, c.n, c.k}, &why)) peers.push_back(peer.name);
+        if (supports(*o.server, peer.name, c, &why)) peers.push_back(peer.name);
       }
     }
+    const Probe* probe = o.probe;
     for (int r = 0; r < o.rounds; ++r) {
-      for (const GemmImpl& impl : impls) {
-        if (impl.small_only && gemm_flops(c) > std::ldexp(1.0, 29)) continue;
-        const Probe* probe = o.probe;
+      for (const Impl& impl : impls) {
+        if (skip(impl, c)) continue;
         benchmark::RegisterBenchmark(
             c.name(impl.name).c_str(),
-            [&impl, c, probe](benchmark::State& st) { run_gemm_benchmark(st, impl, c, *probe); })
+            [&impl, c, probe, run](benchmark::State& st) { run(st, impl, c, *probe); })
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
       }
       for (const std::string& peer : peers) {
         PeerServer* server = o.server;
-        const Probe* probe = o.probe;
         benchmark::RegisterBenchmark(c.name(peer).c_str(),
-                                     [server, peer, c, probe](benchmark::State& st) {
-                                       run_gemm_peer(st, *server, peer, c, *probe);
+                                     [server, peer, c, probe, run_peer](benchmark::State& st) {
+                                       run_peer(st, *server, peer, c, *probe);
                                      })
             ->UseManualTime()
             ->Unit(benchmark::kMillisecond);
@@ -703,37 +680,30 @@ void register_gemm_benchmarks(const LayerBenchOptions& o) {
   }
 }
 
+}  // namespace
+
+void register_gemm_benchmarks(const LayerBenchOptions& o) {
+  static const std::vector<GemmImpl> impls = gemm_impls();
+  register_family(
+      o, gemm_cases(o), impls,
+      [](PeerServer& server, const std::string& peer, const GemmCase& c, std::string* why) {
+        return server.supports_gemm(peer, {c.m, c.n, c.k}, why);
+      },
+      run_gemm_benchmark, run_gemm_peer,
+      [](const GemmImpl& impl, const GemmCase& c) {
+        return impl.small_only && gemm_flops(c) > std::ldexp(1.0, 29);
+      });
+}
+
 void register_layer_benchmarks(const LayerBenchOptions& o) {
   static const std::vector<LayerImpl> impls = layer_impls();
-  for (const LayerCase& c : layer_cases(o)) {
-    std::vector<std::string> peers;
-    if (o.server != nullptr) {
-      for (const PeerInfo& peer : o.server->peers()) {
-        std::string why;
-        if (o.server->supports_layer(peer.name, c.s, &why)) peers.push_back(peer.name);
-      }
-    }
-    for (int r = 0; r < o.rounds; ++r) {
-      for (const LayerImpl& impl : impls) {
-        const Probe* probe = o.probe;
-        benchmark::RegisterBenchmark(
-            c.name(impl.name).c_str(),
-            [&impl, c, probe](benchmark::State& st) { run_layer_benchmark(st, impl, c, *probe); })
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
-      }
-      for (const std::string& peer : peers) {
-        PeerServer* server = o.server;
-        const Probe* probe = o.probe;
-        benchmark::RegisterBenchmark(c.name(peer).c_str(),
-                                     [server, peer, c, probe](benchmark::State& st) {
-                                       run_layer_peer(st, *server, peer, c, *probe);
-                                     })
-            ->UseManualTime()
-            ->Unit(benchmark::kMillisecond);
-      }
-    }
-  }
+  register_family(
+      o, layer_cases(o), impls,
+      [](PeerServer& server, const std::string& peer, const LayerCase& c, std::string* why) {
+        return server.supports_layer(peer, c.s, why);
+      },
+      run_layer_benchmark, run_layer_peer,
+      [](const LayerImpl&, const LayerCase&) { return false; });
 }
 
 }  // namespace mha::bench

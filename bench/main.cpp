@@ -174,24 +174,6 @@ bool headline(const Shape& s) {
   return s.family == "decode" && s.heads == 8 && s.kv_heads == 8 && s.kv_len == 32768;
 }
 
-#if MHA_HAVE_OPENBLAS
-void openblas_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-                   const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
-                   std::int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
-              static_cast<blasint>(ldc));
-}
-#endif
-#if MHA_HAVE_ONEDNN
-void onednn_gemm(bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-                 const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
-                 std::int64_t ldc) {
-  dnnl_sgemm('N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
-}
-#endif
-
 std::vector<Impl> implementations() {
   std::vector<Impl> out;
   for (const KernelInfo& kernel : all_kernels()) {
@@ -222,10 +204,10 @@ std::vector<Impl> implementations() {
                    true, ""});
   };
 #if MHA_HAVE_OPENBLAS
-  composed("composed-openblas", &openblas_gemm, [](int n) { openblas_set_num_threads(n); });
+  composed("composed-openblas", &openblas_sgemm, &openblas_threads);
 #endif
 #if MHA_HAVE_ONEDNN
-  composed("composed-onednn", &onednn_gemm, [](int n) { omp_set_num_threads(n); });
+  composed("composed-onednn", &onednn_sgemm, &onednn_threads);
 #endif
   (void)composed;  // unused when neither library was found
   return out;
