@@ -128,6 +128,14 @@ std::vector<float> tokens(const Model& m, std::int64_t p0, std::int64_t p1) {
   return t;
 }
 
+// The same model over positions [0, len) of its sequences only.
+Model prefix(const Model& m, std::int64_t len) {
+  Model p = m;
+  p.len = len;
+  p.x = tokens(m, 0, len);
+  return p;
+}
+
 // Y of prefilling the whole sequences from an empty cache.
 std::vector<float> prefill_all(const Model& m, const Layer& layer, KvCache& cache,
                                int threads = 2) {
@@ -161,9 +169,7 @@ TEST_P(LayerTest, ChunkedPrefillMatchesOnePrefill) {
       const std::vector<float> x = tokens(m, p0, p1);
       std::vector<float> y(x.size());
       layer.prefill(x.data(), p1 - p0, y.data(), chunked, m.causal, 2);
-      Model part = m;
-      part.len = p1;
-      part.x = tokens(m, 0, p1);
+      const Model part = prefix(m, p1);
       expect_close(part, layer, y, p0,
                    "chunk [" + std::to_string(p0) + ", " + std::to_string(p1) + ")");
     }
@@ -188,9 +194,7 @@ TEST_P(LayerTest, PrefillEqualsDecodeSteps) {
       const std::vector<float> x = tokens(m, t, t + 1);
       std::vector<float> yt(x.size());
       layer.decode(x.data(), yt.data(), decoded, 2);
-      Model upto = m;
-      upto.len = t + 1;
-      upto.x = tokens(m, 0, t + 1);
+      const Model upto = prefix(m, t + 1);
       const ref::LayerResult r = ref::layer(upto.c, upto.weights(), upto.x.data(), m.batch, t + 1,
                                             t, true, layer.attention_kernel().exp_ulp);
       for (std::int64_t b = 0; b < m.batch; ++b) {
@@ -313,9 +317,7 @@ TEST_P(LayerTest, DecodeAfterAnAppendedPastMatchesReference) {
       const std::vector<float> x = tokens(m, t, t + 1);
       std::vector<float> y(x.size());
       layer.decode(x.data(), y.data(), cache, 2);
-      Model upto = m;
-      upto.len = t + 1;
-      upto.x = tokens(m, 0, t + 1);
+      const Model upto = prefix(m, t + 1);
       const ref::LayerResult r = ref::layer(upto.c, upto.weights(), upto.x.data(), m.batch, t + 1,
                                             t, true, layer.attention_kernel().exp_ulp, given);
       for (std::int64_t b = 0; b < m.batch; ++b) {
