@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace mha {
 
@@ -85,21 +87,50 @@ inline const float* packed_panel(const float* packed, std::int64_t k, std::int64
 namespace detail {
 // Panels of `width` lines (rows of A, columns of B) over k steps: line i, step l of the
 // matrix at m[i * line_stride + l * step_stride] goes to packed[(i / width) width k + l
-// width + i % width]; lines past `lines` are zero.
-inline void pack_panels(std::int64_t lines, std::int64_t k, const float* m,
-                        std::int64_t line_stride, std::int64_t step_stride, std::int64_t width,
-                        float* packed) {
+// width + i % width]; lines past `lines` are zero. Each panel is written in order, step by
+// step, from its `width` lines read side by side: sequential stores, and as many read
+// streams as lines. W > 0 is the width as a constant (the loop over lines unrolled), 0 a
+// width given at run time.
+template <int W>
+void pack_panels_of(std::int64_t lines, std::int64_t k, const float* m, std::int64_t line_stride,
+                    std::int64_t step_stride, std::int64_t width, float* packed) {
+  if (W > 0) width = W;
   for (std::int64_t i0 = 0; i0 < lines; i0 += width) {
     const std::int64_t n = lines - i0 < width ? lines - i0 : width;
     float* panel = packed + i0 * k;
-    for (std::int64_t i = 0; i < n; ++i) {  // a line at a time: A's rows are read in order
-      const float* line = m + (i0 + i) * line_stride;
-      for (std::int64_t l = 0; l < k; ++l) panel[l * width + i] = line[l * step_stride];
-    }
-    for (std::int64_t i = n; i < width; ++i) {
-      for (std::int64_t l = 0; l < k; ++l) panel[l * width + i] = 0.0f;
+    const float* first = m + i0 * line_stride;
+    for (std::int64_t l = 0; l < k; ++l) {
+      const float* step = first + l * step_stride;
+      float* out = panel + l * width;
+      if (n == width) {
+        for (std::int64_t i = 0; i < width; ++i) out[i] = step[i * line_stride];
+      } else {
+        for (std::int64_t i = 0; i < width; ++i) out[i] = i < n ? step[i * line_stride] : 0.0f;
+      }
     }
   }
+}
+
+// pack_panels_of<W> for the width when it is one of Ws (the register tiles' sides in
+// kernels/gemm/), else pack_panels_of<0>.
+template <int... Ws>
+void pack_panels_among(std::integer_sequence<int, Ws...>, std::int64_t lines, std::int64_t k,
+                       const float* m, std::int64_t line_stride, std::int64_t step_stride,
+                       std::int64_t width, float* packed) {
+  const auto as = [&](auto w) {
+    pack_panels_of<decltype(w)::value>(lines, k, m, line_stride, step_stride, width, packed);
+    return true;
+  };
+  if (!((width == Ws && as(std::integral_constant<int, Ws>{})) || ...)) {
+    as(std::integral_constant<int, 0>{});
+  }
+}
+
+inline void pack_panels(std::int64_t lines, std::int64_t k, const float* m,
+                        std::int64_t line_stride, std::int64_t step_stride, std::int64_t width,
+                        float* packed) {
+  pack_panels_among(std::integer_sequence<int, 4, 6, 8, 12, 16, 32>{}, lines, k, m, line_stride,
+                    step_stride, width, packed);
 }
 }  // namespace detail
 
