@@ -58,15 +58,16 @@ rc::Gen<std::int64_t> gen_size(std::int64_t width, std::int64_t cap) {
 
 rc::Gen<Shape> gen_shape(const GemmInfo& g) {
   const GemmTile t = g.tile();
-  // Sizes around the kernel's register tile, and around the driver's tiles (GemmPlan: 512
-  // rows rounded up to mr, 256 columns) and the depth of a pass (support::gemm_blocking: kc
-  // 64..512, 192 on a 48 KiB L1d at nr 32).
+  // Sizes around the kernel's register tile, around the driver's tiles (GemmPlan: 512 rows
+  // rounded up to mr, 256 columns) and around the depth of a pass (support::gemm_blocking:
+  // kc 64..512, 256 on a 48 KiB L1d at mr 12, 64 with the caches/tiny run's 4 KiB, where
+  // the B blocks are also one panel wide).
   const std::int64_t driver_rows = (GemmPlan::kRows + t.mr - 1) / t.mr * t.mr;
   return rc::gen::exec([=] {
     Shape s;
     s.m = *rc::gen::oneOf(gen_size(t.mr, 1 << 12), gen_size(driver_rows, 1 << 12));
     s.n = *rc::gen::oneOf(gen_size(t.nr, 1 << 12), gen_size(GemmPlan::kCols, 1 << 12));
-    s.k = *rc::gen::oneOf(gen_size(t.mr, 1 << 12), gen_size(192, 1 << 12));
+    s.k = *rc::gen::oneOf(gen_size(t.mr, 1 << 12), gen_size(64, 1 << 12), gen_size(256, 1 << 12));
     // At most 2^22 multiply-adds per case: shrink the largest sizes.
     while (s.m * s.n * s.k > (std::int64_t{1} << 22)) {
       if (s.m >= s.n && s.m >= s.k)

@@ -5,8 +5,8 @@
 // Microkernel: 6 rows x 16 columns, 12 ymm accumulators. Each step l loads the B panel's row
 // l as two vectors and multiplies it by each of the 6 A values of the panel, broadcast
 // (VBROADCASTSS from memory): 12 FMAs per 2 loads and 6 broadcasts, 15 registers of 16. At
-// two FMAs a cycle, 6 cycles a step for 8 loads: the FMA ports are the limit. The B
-// micro-panel (kc x 16 floats, 24 KiB at kc = 384) stays in L1 for the block's A panels.
+// two FMAs a cycle, 6 cycles a step for 8 loads: the FMA ports are the limit. The A
+// micro-panel (6 x kc floats, 12 KiB at kc = 512) stays in L1 for the block's B panels.
 //
 // Few rows (decode): B streams from memory once, prefetched 8 KiB ahead (kAhead).
 //
@@ -43,6 +43,7 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
            std::int64_t cols, bool first, const float* bias) {
   const __m256i m0 = lanes(cols), m1 = lanes(cols - 8);
   __m256 acc[R][2];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     if (first) {
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -56,6 +57,7 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
     const __m256 b0 = _mm256_loadu_ps(bp + l * kNr);
     const __m256 b1 = _mm256_loadu_ps(bp + l * kNr + 8);
     const float* a = ap + l * kMr;
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_broadcast_ss(a + r);
       acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
@@ -65,11 +67,13 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
   if (bias != nullptr) {
     const __m256 bias0 = _mm256_maskload_ps(bias, m0);
     const __m256 bias1 = _mm256_maskload_ps(bias + 8, m1);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm256_add_ps(acc[r][0], bias0);
       acc[r][1] = _mm256_add_ps(acc[r][1], bias1);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     _mm256_maskstore_ps(c + r * ldc, m0, acc[r][0]);
     _mm256_maskstore_ps(c + r * ldc + 8, m1, acc[r][1]);

@@ -6,8 +6,8 @@
 // l as two vectors and multiplies it by each of the 12 A values of the panel, broadcast
 // (VFMADD231PS with a {1to16} memory operand): 24 FMAs per 2 loads and 12 broadcasts, 26
 // registers of 32. At two FMAs a cycle that is 12 cycles a step, while the 14 loads need 7
-// of the two load ports: the FMA ports are the limit. The B micro-panel (kc x 32 floats, 24
-// KiB at kc = 192) stays in L1 for the mc / 12 A panels of the block, which stream from L2.
+// of the two load ports: the FMA ports are the limit. The A micro-panel (12 x kc floats, 12
+// KiB at kc = 256) stays in L1 for the B panels of the block, which stream from L2.
 //
 // Few rows (decode): B streams from memory once; software prefetch 8 KiB ahead (kAhead).
 //
@@ -44,6 +44,7 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
   const __mmask16 m1 =
       cols >= 32 ? __mmask16(0xFFFF) : (cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1));
   __m512 acc[R][2];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     if (first) {
       acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -60,6 +61,7 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
     const __m512 b0 = _mm512_loadu_ps(bp + l * kNr);
     const __m512 b1 = _mm512_loadu_ps(bp + l * kNr + 16);
     const float* a = ap + l * kMr;
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(a[r]);
       acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
@@ -69,11 +71,13 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
   if (bias != nullptr) {
     const __m512 bias0 = _mm512_maskz_loadu_ps(m0, bias);
     const __m512 bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_add_ps(acc[r][0], bias0);
       acc[r][1] = _mm512_add_ps(acc[r][1], bias1);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
     _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);

@@ -4,8 +4,8 @@
 //
 // Microkernel: 8 rows x 12 columns, 24 q-register accumulators. Each step l loads the B
 // panel's row l as three vectors and the A panel's 8 values as two, and multiplies each B
-// vector by each A value with a by-lane FMLA: 24 FMAs per 5 loads, 29 registers of 32. The B
-// micro-panel (kc x 12 floats) stays in L1 for the block's A panels, which stream from L2.
+// vector by each A value with a by-lane FMLA: 24 FMAs per 5 loads, 29 registers of 32. The A
+// micro-panel (8 x kc floats) stays in L1 for the block's B panels, which stream from L2.
 //
 // Tails: rows through with_count; columns past n are zero in the packed B and computed; a
 // partial panel's C row goes through a 12-float stack buffer, so only real columns are read
@@ -51,12 +51,14 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
            std::int64_t cols, bool first, const float* bias) {
   float32x4_t acc[R][3];
   float row[kNr];  // a partial panel's C row, real columns first, zeros after
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const float* src = c + r * ldc;
     if (!first && cols < kNr) {
       for (int j = 0; j < kNr; ++j) row[j] = j < cols ? src[j] : 0.0f;
       src = row;
     }
+#pragma GCC unroll 16
     for (int v = 0; v < 3; ++v) acc[r][v] = first ? vdupq_n_f32(0.0f) : vld1q_f32(src + 4 * v);
   }
   for (std::int64_t l = 0; l < kc; ++l) {
@@ -69,16 +71,21 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
       for (int j = 0; j < kNr; ++j) padded[j] = j < cols ? bias[j] : 0.0f;
       b = padded;
     }
+#pragma GCC unroll 16
     for (int v = 0; v < 3; ++v) {
       const float32x4_t add = vld1q_f32(b + 4 * v);
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[r][v] = vaddq_f32(acc[r][v], add);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     float* dst = c + r * ldc;
     if (cols == kNr) {
+#pragma GCC unroll 16
       for (int v = 0; v < 3; ++v) vst1q_f32(dst + 4 * v, acc[r][v]);
     } else {
+#pragma GCC unroll 16
       for (int v = 0; v < 3; ++v) vst1q_f32(row + 4 * v, acc[r][v]);
       for (std::int64_t j = 0; j < cols; ++j) dst[j] = row[j];
     }
