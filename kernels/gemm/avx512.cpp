@@ -53,6 +53,7 @@ void micro(std::int64_t kc, const float* ap, const float* bp, float* c, std::int
       acc[r][1] = _mm512_maskz_loadu_ps(m1, c + r * ldc + 16);
     }
   }
+#pragma GCC unroll 4
   for (std::int64_t l = 0; l < kc; ++l) {
     if (R <= kStreamRows) {
       __builtin_prefetch(bp + l * kNr + kAhead);
