@@ -40,8 +40,8 @@ inline GemmBlocking gemm_blocking(std::int64_t mr, std::int64_t nr, const Caches
   return b;
 }
 
-/// Software prefetch of lines [first, last) of `lines` 64-byte lines at `p`, into L2 (and
-/// the caches above it); the hint is all it is, so any address may be named.
+/// Software prefetch of the 64-byte lines [first, last) from `p` on, into L2 (and the caches
+/// above it); the hint is all it is, so any address may be named.
 inline void prefetch_lines(const float* p, std::int64_t first, std::int64_t last) {
   for (std::int64_t q = first; q < last; ++q) __builtin_prefetch(p + q * 16, 0, 2);
 }
@@ -78,7 +78,8 @@ void gemm_loops(const GemmProblem& p, const float* a, const float* b, const floa
     const std::int64_t panels = (cols + kNr - 1) / kNr;
     for (std::int64_t l0 = 0; l0 < p.k; l0 += blocking.kc) {
       const std::int64_t kc = std::min(blocking.kc, p.k - l0);
-      const std::int64_t next_kc = std::min(blocking.kc, p.k - l0 - kc);  // 0: last pass
+      // Lines of a B panel's next pass: 0 on the last pass.
+      const std::int64_t b_lines = std::min(blocking.kc, p.k - l0 - kc) * kNr / kLine;
       const bool first = l0 == 0;
       const float* pass_bias = l0 + kc == p.k ? bias : nullptr;
       for (std::int64_t ip = 0; ip < row_panels; ++ip) {
@@ -92,7 +93,6 @@ void gemm_loops(const GemmProblem& p, const float* a, const float* b, const floa
           const float* bp = b + jj * p.k + l0 * kNr;
           // This call's shares: of the next A micro-panel, and of this B panel's next pass.
           prefetch_lines(next_ap, a_lines * jp / panels, a_lines * (jp + 1) / panels);
-          const std::int64_t b_lines = next_kc * kNr / kLine;
           prefetch_lines(bp + kc * kNr, b_lines * ip / row_panels, b_lines * (ip + 1) / row_panels);
           const float* tile_bias = pass_bias != nullptr ? pass_bias + jj : nullptr;
           float* ct = c + i0 * p.ldc + jj;
