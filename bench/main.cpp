@@ -344,7 +344,8 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   // The probe's `figure`, or, when `value` exceeds it, the higher of it and the same figure
   // measured now, after the timed loop (kept as counter `now`): another process held a
   // core while the probe ran, memory bandwidth drifted (by 10% over minutes on a shared
-  // VM), or the probe is wrong. The reporter turns a fraction still above 1 into an error.
+  // VM), or the probe is wrong. The reporter turns a fraction still above kClockSlack into
+  // an error.
   const auto limit_of = [&](double value, double figure, const char* now, auto measure) {
     if (value <= figure) return figure;
     figure = std::max(figure, measure());
@@ -451,8 +452,17 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
 }
 
 // ---------------------------------------------------------------------------------------
-// Reporting: a fraction above 1 means the probe under-measured the machine; such a figure
-// is turned into an error instead of being reported, and the run fails.
+// Reporting: a fraction far above 1 means the probe is wrong; such a figure is turned into
+// an error instead of being reported, and the run fails.
+//
+// A little above 1 is the clock: a probe's runs are a few milliseconds, and turbo and the
+// host's other tenants move one core's rate between such runs. On an AMD EPYC (Zen 1)
+// guest the AVX2 FMA loop ranged over 36-48 GFLOP/s from run to run; one probe's best was
+// 39.4 and the same again when measured after the timed loop, while oneDNN's sgemm had run
+// at 41.0 (1.04x). A probe that is wrong (an instruction's FLOPs or a buffer's bytes
+// miscounted) is off by 2x or more; the highest rate over the lowest above, 48 / 36 = 1.33,
+// bounds the clock's share, so a fraction up to kClockSlack stands, as measured.
+constexpr double kClockSlack = 1.33;
 
 bool g_probe_wrong = false;
 bool g_errors = false;
@@ -467,10 +477,10 @@ class Checked : public Base {
       g_errors |= run.error_occurred;
       for (const char* key : {"peak_frac", "bw_frac"}) {
         const auto it = run.counters.find(key);
-        if (it != run.counters.end() && it->second.value > 1.0 && !run.error_occurred) {
+        if (it != run.counters.end() && it->second.value > kClockSlack && !run.error_occurred) {
           run.error_occurred = true;
           run.error_message = std::string(key) + " = " + std::to_string(it->second.value) +
-                              " > 1: the machine probe is wrong";
+                              " > 1.33: the machine probe is wrong";
           g_probe_wrong = true;
         }
       }
@@ -745,7 +755,7 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(display, json_out ? &json_file : nullptr);
   benchmark::Shutdown();
   if (g_probe_wrong) {
-    std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded 1: the probe is wrong\n");
+    std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded 1.33: the probe is wrong\n");
     return 1;
   }
   if (g_errors) {

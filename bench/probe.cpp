@@ -89,12 +89,17 @@ Buffer make_buffer(std::int64_t floats) {
   return Buffer(p);
 }
 
-// Best rate over `repeats` runs of work(thread) on `threads` threads started together;
-// work returns the units it did. Wall time from the common start to the last finish.
+// Best rate over `repeats` runs of work(thread) on `threads` threads started together, and
+// over more runs until `min_seconds` have passed; work returns the units it did. Wall time
+// from the common start to the last finish.
 template <typename Work>
-double best_rate(int threads, int repeats, Work work) {
+double best_rate(int threads, int repeats, Work work, double min_seconds = 0.0) {
   double best = 0.0;
-  for (int r = 0; r < repeats; ++r) {
+  const auto begin = std::chrono::steady_clock::now();
+  const auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  };
+  for (int r = 0; r < repeats || elapsed() < min_seconds; ++r) {
     std::atomic<int> ready{0};
     std::atomic<bool> go{false};
     std::vector<double> units(static_cast<std::size_t>(threads));
@@ -242,9 +247,14 @@ bool may_read_dram(std::int64_t bytes, const Caches& caches) {
 
 namespace {
 double fma_gflops(const ProbeKernels& k, int threads) {
-  // About 50 ms a run at 100 GFLOP/s per core.
+  // A run is 77 MFLOP (AVX2) or 154 (AVX-512) a core: 1-4 ms. One core's rate moves from
+  // run to run with the clock and the host's other tenants: on an AMD EPYC (Zen 1) guest,
+  // 2 ms runs ranged over 36-48 GFLOP/s and reached 46 in a fifth of them (runs of 20 ms:
+  // 36-44, never more), and the best of 7 was 39.4 three times in one session, below the
+  // 41 of oneDNN's sgemm. So the best of as many runs as fit in 200 ms, at least 7.
   const auto measure = [&](int n) {
-    return best_rate(n, 7, [&](int) { return k.fma(400000); }) / 1e9;
+    const auto run = [&](int) { return k.fma(400000); };
+    return best_rate(n, 7, run, 0.2) / 1e9;
   };
   // Several cores: at most `threads` times one core's peak, and what they were measured at
   // when higher. On a shared VM the cores' figure ranged over 1.3-1.9x one core's (198.7 and
