@@ -464,6 +464,12 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
 // bounds the clock's share, so a fraction up to kClockSlack stands, as measured.
 constexpr double kClockSlack = 1.33;
 
+std::string slack_text() {
+  char text[16];
+  std::snprintf(text, sizeof text, "%.2f", kClockSlack);
+  return text;
+}
+
 bool g_probe_wrong = false;
 bool g_errors = false;
 
@@ -479,8 +485,8 @@ class Checked : public Base {
         const auto it = run.counters.find(key);
         if (it != run.counters.end() && it->second.value > kClockSlack && !run.error_occurred) {
           run.error_occurred = true;
-          run.error_message = std::string(key) + " = " + std::to_string(it->second.value) +
-                              " > 1.33: the machine probe is wrong";
+          run.error_message = std::string(key) + " = " + std::to_string(it->second.value) + " > " +
+                              slack_text() + ": the machine probe is wrong";
           g_probe_wrong = true;
         }
       }
@@ -755,7 +761,8 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(display, json_out ? &json_file : nullptr);
   benchmark::Shutdown();
   if (g_probe_wrong) {
-    std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded 1.33: the probe is wrong\n");
+    std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded %s: the probe is wrong\n",
+                 slack_text().c_str());
     return 1;
   }
   if (g_errors) {
