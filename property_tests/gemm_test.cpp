@@ -223,6 +223,26 @@ TEST_P(Gemm, FmaKernelsAgreeBitForBit) {
 
 MHA_INSTANTIATE_FOR_GEMMS(Gemm);
 
+// A packed weight's panels start on cache lines (when a panel is a whole number of them), so
+// that no vector load of B straddles two lines.
+TEST(PackedMatrixStorage, PanelsStartOnCacheLines) {
+  for (const GemmInfo& g : all_gemms()) {
+    if (!available(g)) continue;
+    for (std::int64_t k : {1, 3, 64, 257}) {
+      for (std::int64_t n : {1, 33, 100}) {
+        const std::vector<float> w(static_cast<std::size_t>(k * n), 1.0f);
+        const PackedMatrix b(g, k, n, w.data(), n, 1);
+        const auto line = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p) % 64; };
+        EXPECT_EQ(line(b.data()), 0u) << g.name << " k " << k << " n " << n;
+        const std::int64_t nr = b.tile().nr;
+        if (k * nr * 4 % 64 == 0 && n > nr) {
+          EXPECT_EQ(line(b.columns(nr)), 0u) << g.name << " k " << k << " n " << n;
+        }
+      }
+    }
+  }
+}
+
 std::string gemm_error(std::int64_t m, const float* a, std::int64_t lda, const PackedMatrix& b,
                        const float* bias, float* c, std::int64_t ldc) {
   try {

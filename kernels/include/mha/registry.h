@@ -5,10 +5,37 @@
 #include <mha/attention.h>
 #include <mha/gemm.h>
 
+#include <cstddef>
+#include <new>
 #include <string>
 #include <vector>
 
 namespace mha {
+
+namespace detail {
+/// An allocator of 64-byte-aligned storage (a cache line, a zmm vector): a packed weight's
+/// panels start on cache lines, so that no vector load of B straddles two of them. With the
+/// 16-byte alignment of an ordinary vector, the avx512 GEMM ran 3% slower (2048 x 4096 x 4096,
+/// one thread, Intel Xeon family 6 model 167).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}  // NOLINT: rebinding converts
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const noexcept {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const noexcept {
+    return false;
+  }
+};
+}  // namespace detail
 
 /// Instruction sets a kernel may need, in the order of mha/isa.inc (the one list, with each
 /// ISA's rank and detection). Ranks order them for MHA_MAX_ISA: a kernel is offered when the
@@ -125,7 +152,7 @@ class PackedMatrix {
   const GemmInfo* kernel_ = nullptr;
   GemmTile tile_;
   std::int64_t k_ = 0, n_ = 0;
-  std::vector<float> data_;
+  std::vector<float, detail::CacheLineAllocator<float>> data_;  // panels on cache lines
 };
 
 /// C = A B (+ bias when not null) with B's kernel, through the GEMM driver (mha/parallel.h)
