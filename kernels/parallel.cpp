@@ -270,34 +270,62 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
 
 namespace {
 
-// The GEMM driver's cut for a kernel's register tile (GemmPlan).
-struct GemmCut {
-  std::int64_t rows, cols;
-  explicit GemmCut(GemmTile t)
-      : rows(support::round_up(GemmPlan::kRows, t.mr)),
-        cols(support::round_up(GemmPlan::kCols, t.nr)) {}
-  std::int64_t col_tiles(const GemmProblem& p) const { return ceil_div(p.n, cols); }
-  std::int64_t tiles(const GemmProblem& p) const { return ceil_div(p.m, rows) * col_tiles(p); }
-};
+// Tiles of `rows` x `cols` over all jobs.
+std::int64_t gemm_tiles(const GemmJob* jobs, std::size_t count, std::int64_t rows,
+                        std::int64_t cols) {
+  std::int64_t tiles = 0;
+  for (std::size_t j = 0; j < count; ++j)
+    tiles += ceil_div(jobs[j].p.m, rows) * ceil_div(jobs[j].p.n, cols);
+  return tiles;
+}
 
 }  // namespace
+
+GemmPlan gemm_plan(GemmTile tile, const GemmJob* jobs, std::size_t count, int threads) {
+  if (threads <= 0) threads = default_threads();
+  std::int64_t most_m = 1, most_n = 1;
+  for (std::size_t j = 0; j < count; ++j) {
+    most_m = std::max(most_m, jobs[j].p.m);
+    most_n = std::max(most_n, jobs[j].p.n);
+  }
+  // Rows and columns beyond the largest job's add no tile: start no larger than it.
+  std::int64_t rows = support::round_up(std::min(GemmPlan::kRows, most_m), tile.mr);
+  std::int64_t cols = support::round_up(std::min(GemmPlan::kCols, most_n), tile.nr);
+  const std::int64_t wanted = threads > 1 ? 2 * std::int64_t{threads} : 1;
+  while (gemm_tiles(jobs, count, rows, cols) < wanted) {
+    // Halve the longer side that may still be halved; stop when neither may.
+    const bool can_rows = rows / 2 >= GemmPlan::kMinRows;
+    const bool can_cols = cols / 2 >= GemmPlan::kMinCols;
+    if (can_rows && (rows >= cols || !can_cols))
+      rows = support::round_up(rows / 2, tile.mr);
+    else if (can_cols)
+      cols = support::round_up(cols / 2, tile.nr);
+    else
+      break;
+  }
+  return {rows, cols};
+}
 
 void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::size_t count,
                    int threads) {
   if (threads <= 0) threads = default_threads();
-  const GemmCut cut(tile);
-  std::int64_t tiles = 0;
-  for (std::size_t j = 0; j < count; ++j) tiles += cut.tiles(jobs[j].p);
+  const GemmPlan cut = gemm_plan(tile, jobs, count, threads);
+  const auto col_tiles = [&](const GemmProblem& p) { return ceil_div(p.n, cut.cols); };
+  const auto tiles_of = [&](const GemmProblem& p) {
+    return ceil_div(p.m, cut.rows) * col_tiles(p);
+  };
+  const std::int64_t tiles = gemm_tiles(jobs, count, cut.rows, cut.cols);
   threads = static_cast<int>(std::clamp<std::int64_t>(tiles, 1, threads));  // NOLINT: num_threads
 
   // Tile t of all jobs: the job is found by a scan (a handful of jobs, each tile millions of
-  // multiply-adds), so the driver keeps no table and needs no workspace.
+  // multiply-adds), so the driver keeps no table and needs no workspace. A job's tiles run
+  // along its rows of tiles, so that consecutive tiles share their rows of A.
   const auto run_tile = [&](std::int64_t t) {
     std::size_t j = 0;
-    while (t >= cut.tiles(jobs[j].p)) t -= cut.tiles(jobs[j++].p);
+    while (t >= tiles_of(jobs[j].p)) t -= tiles_of(jobs[j++].p);
     const GemmJob& job = jobs[j];
-    const std::int64_t col_tiles = cut.col_tiles(job.p);
-    const std::int64_t i0 = t / col_tiles * cut.rows, j0 = t % col_tiles * cut.cols;
+    const std::int64_t per_row = col_tiles(job.p);
+    const std::int64_t i0 = t / per_row * cut.rows, j0 = t % per_row * cut.cols;
     GemmProblem tp = job.p;
     tp.m = std::min(cut.rows, job.p.m - i0);
     tp.n = std::min(cut.cols, job.p.n - j0);

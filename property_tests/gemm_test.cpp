@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
+#include <mha/support.h>
 #include <rapidcheck.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +21,9 @@
 
 namespace mha::test {
 namespace {
+
+using support::ceil_div;
+using support::round_up;
 
 class Gemm : public GemmKernelTest {};
 
@@ -58,15 +63,23 @@ rc::Gen<std::int64_t> gen_size(std::int64_t width, std::int64_t cap) {
 
 rc::Gen<Shape> gen_shape(const GemmInfo& g) {
   const GemmTile t = g.tile();
-  // Sizes around the kernel's register tile, around the driver's tiles (GemmPlan: 512 rows
-  // rounded up to mr, 256 columns) and around the depth of a pass (support::gemm_blocking:
-  // kc 64..512, 256 on a 48 KiB L1d at mr 12, 64 with the caches/tiny run's 4 KiB, where
-  // the B blocks are also one panel wide).
-  const std::int64_t driver_rows = (GemmPlan::kRows + t.mr - 1) / t.mr * t.mr;
+  // Sizes around the kernel's register tile, around the driver's tiles (gemm_plan: kRows x
+  // kCols rounded up to whole panels, halved down to kMinRows x kMinCols as the thread count
+  // asks) and around the depth of a pass (support::gemm_blocking: kc 64..512, 256 on a 48
+  // KiB L1d at mr 12, 64 with the caches/tiny run's 4 KiB, where the B blocks are also one
+  // panel wide).
+  const auto driver_size = [](std::int64_t most, std::int64_t least, std::int64_t width) {
+    std::vector<rc::Gen<std::int64_t>> sizes;
+    for (std::int64_t n = most; n >= least; n /= 2)
+      sizes.push_back(gen_size(round_up(n, width), 1 << 12));
+    return rc::gen::join(rc::gen::elementOf(sizes));
+  };
+  const rc::Gen<std::int64_t> rows = driver_size(GemmPlan::kRows, GemmPlan::kMinRows, t.mr);
+  const rc::Gen<std::int64_t> cols = driver_size(GemmPlan::kCols, GemmPlan::kMinCols, t.nr);
   return rc::gen::exec([=] {
     Shape s;
-    s.m = *rc::gen::oneOf(gen_size(t.mr, 1 << 12), gen_size(driver_rows, 1 << 12));
-    s.n = *rc::gen::oneOf(gen_size(t.nr, 1 << 12), gen_size(GemmPlan::kCols, 1 << 12));
+    s.m = *rc::gen::oneOf(gen_size(t.mr, 1 << 12), rows);
+    s.n = *rc::gen::oneOf(gen_size(t.nr, 1 << 12), cols);
     s.k = *rc::gen::oneOf(gen_size(t.mr, 1 << 12), gen_size(64, 1 << 12), gen_size(256, 1 << 12));
     // At most 2^22 multiply-adds per case: shrink the largest sizes.
     while (s.m * s.n * s.k > (std::int64_t{1} << 22)) {
@@ -222,6 +235,41 @@ TEST_P(Gemm, FmaKernelsAgreeBitForBit) {
 }
 
 MHA_INSTANTIATE_FOR_GEMMS(Gemm);
+
+// The driver's cut: whole panels; on one thread a tile as large as kRows x kCols and the
+// largest job allow; on more, halved down to kMinRows x kMinCols until every thread has two
+// tiles, and never smaller than that.
+RC_GTEST_PROP(GemmPlanProperty, TilesAreWholePanelsAndEnoughForTheThreads, ()) {
+  const GemmTile tile{*rc::gen::elementOf(std::vector<std::int64_t>{4, 6, 8, 12}),
+                      *rc::gen::elementOf(std::vector<std::int64_t>{12, 16, 32})};
+  const int threads = *rc::gen::inRange(1, 65);
+  std::vector<GemmJob> jobs(static_cast<std::size_t>(*rc::gen::inRange(1, 20)));
+  std::int64_t most_m = 1, most_n = 1;
+  for (GemmJob& j : jobs) {
+    j.p.m = *rc::gen::inRange<std::int64_t>(1, 5000);
+    j.p.n = *rc::gen::inRange<std::int64_t>(1, 5000);
+    most_m = std::max(most_m, j.p.m);
+    most_n = std::max(most_n, j.p.n);
+  }
+  const GemmPlan plan = gemm_plan(tile, jobs.data(), jobs.size(), threads);
+  const std::int64_t top_rows = round_up(std::min(GemmPlan::kRows, most_m), tile.mr);
+  const std::int64_t top_cols = round_up(std::min(GemmPlan::kCols, most_n), tile.nr);
+  RC_ASSERT(plan.rows % tile.mr == 0);
+  RC_ASSERT(plan.cols % tile.nr == 0);
+  RC_ASSERT(plan.rows <= top_rows);
+  RC_ASSERT(plan.cols <= top_cols);
+  RC_ASSERT(plan.rows >= std::min(GemmPlan::kMinRows, top_rows));
+  RC_ASSERT(plan.cols >= std::min(GemmPlan::kMinCols, top_cols));
+  std::int64_t tiles = 0;
+  for (const GemmJob& j : jobs) tiles += ceil_div(j.p.m, plan.rows) * ceil_div(j.p.n, plan.cols);
+  if (threads == 1) {
+    RC_ASSERT(plan.rows == top_rows);
+    RC_ASSERT(plan.cols == top_cols);
+  } else if (tiles < 2 * threads) {  // only when neither side may be halved again
+    RC_ASSERT(plan.rows / 2 < GemmPlan::kMinRows);
+    RC_ASSERT(plan.cols / 2 < GemmPlan::kMinCols);
+  }
+}
 
 // A packed weight's panels start on cache lines (when a panel is a whole number of them), so
 // that no vector load of B straddles two lines.
