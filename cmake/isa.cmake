@@ -21,12 +21,20 @@ set(MHA_ISA_FLAGS_sve2 -march=armv8.5-a+sve2)
 # mha_isa_sources(<isa> <file>...): builds the files (of targets in the calling directory)
 # with the flags of <isa>, and nothing else with them: code compiled with an ISA's flags may
 # use its instructions anywhere, so only files whose code runs after a cpu_supports check
-# may have them.
+# may have them. That excludes static constructors, which run before main: such a file must
+# define no object with a dynamic initializer (a gtest TEST registers one), and the ctest
+# isa/no-init-code checks that no initialization code of its object uses a vector
+# instruction.
 function(mha_isa_sources isa)
   if(NOT DEFINED MHA_ISA_FLAGS_${isa})
     message(FATAL_ERROR "mha_isa_sources: unknown ISA '${isa}' (cmake/isa.cmake)")
   endif()
   if(MHA_ISA_FLAGS_${isa})
     set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS "${MHA_ISA_FLAGS_${isa}}")
+    # For the ctest isa/no-init-code (cmake/check_isa_init.cmake): the file names.
+    foreach(file IN LISTS ARGN)
+      get_filename_component(name ${file} NAME)
+      set_property(GLOBAL APPEND PROPERTY MHA_ISA_SOURCE_NAMES ${name})
+    endforeach()
   endif()
 endfunction()
