@@ -59,7 +59,7 @@ int default_threads();
 
 /// The threads a driver call runs on when asked for `threads` (0: default_threads()): that
 /// many, except inside an active OpenMP parallel region of the caller (omp_in_parallel(): a
-/// `#pragma omp parallel` of more than one thread, or a task of one), where the whole call
+/// `#pragma omp parallel` of more than one thread, or a task created in one), where the whole call
 /// runs on the calling thread, whatever `threads` says and whether the caller enabled nested
 /// parallelism or not. The caller's team already holds the cores: with OpenMP's default
 /// (max-active-levels 1) a nested team would get one thread anyway, and with nesting
@@ -84,9 +84,9 @@ std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p,
 /// Runs `kernel` over p on call_threads(threads) threads. Same contract as a
 /// kernel: p must pass check(), pointers valid, outputs disjoint from inputs; lse may be
 /// null. ws must hold parallel_workspace(kernel_workspace, p, threads) bytes for the same
-/// thread count (or more: inside a parallel region a workspace for any count serves);
-/// nothing is allocated, so a caller that keeps its workspace makes repeated
-/// calls allocation-free (OpenMP's own thread pool aside).
+/// thread count, or for more threads (fewer need less: inside a parallel region, any
+/// count's workspace serves); nothing is allocated, so a caller that keeps its workspace makes
+/// repeated calls allocation-free (OpenMP's own thread pool aside).
 void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
                         const float* q, const float* k, const float* v, float* o, float* lse,
                         int threads, Workspace ws);
