@@ -12,6 +12,9 @@
 #if defined(__aarch64__)
 #include <sys/auxv.h>  // getauxval, AT_HWCAP, HWCAP_SVE, HWCAP2_SVE2
 #endif
+#if defined(__x86_64__)
+#include <cpuid.h>  // __get_cpuid_count
+#endif
 
 // An ISA's detection is compiled only on its own architecture; elsewhere it is false.
 #define MHA_DETECT_any(detect) (detect)
@@ -46,6 +49,19 @@ const IsaInfo* info(Isa isa) {
   const auto i = static_cast<std::size_t>(isa);
   return i < std::size(kIsas) ? &kIsas[i] : nullptr;
 }
+
+#if defined(__x86_64__)
+// CPUID leaf 7 features whose names clang 14's __builtin_cpu_supports does not know. They
+// are read only beside avx512f (mha/isa.inc), whose check covers the OS's saving of the
+// vector registers they use.
+bool cpuid7_bit(unsigned subleaf, bool in_ecx, unsigned bit) {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, subleaf, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (((in_ecx ? ecx : eax) >> bit) & 1u) != 0;
+}
+bool cpu_has_vaes() { return cpuid7_bit(0, true, 9); }       // CPUID.(7, 0):ECX[9]
+bool cpu_has_avx_vnni() { return cpuid7_bit(1, false, 4); }  // CPUID.(7, 1):EAX[4]
+#endif
 
 constexpr int highest_rank() {
   int highest = 0;

@@ -157,6 +157,15 @@ Plan plan(const Problem& p) {
   return plan;
 }
 
+int call_threads(int threads) {
+  // Resolved first, so that a malformed MHA_NUM_THREADS is reported inside a region too.
+  if (threads <= 0) threads = default_threads();
+#if defined(_OPENMP)
+  if (omp_in_parallel()) return 1;
+#endif
+  return threads;
+}
+
 int default_threads() {
   if (const char* env = std::getenv("MHA_NUM_THREADS"); env != nullptr && *env != '\0') {
     char* end = nullptr;
@@ -179,7 +188,9 @@ std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p,
 void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
                         const float* q, const float* k, const float* v, float* o, float* lse,
                         int threads, Workspace ws) {
-  if (threads <= 0) threads = default_threads();
+  // One thread inside a caller's parallel region, whatever ws was sized for: the layout for
+  // fewer threads differs only in its per-thread arrays, which are shorter.
+  threads = call_threads(threads);
   const Bounds bd = bounds(kernel_workspace, p, threads);
   support::Carve carve(ws.data);
   const Scratch l = layout(bd, p, carve);
@@ -308,7 +319,7 @@ GemmPlan gemm_plan(GemmTile tile, const GemmJob* jobs, std::size_t count, int th
 
 void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::size_t count,
                    int threads) {
-  if (threads <= 0) threads = default_threads();
+  threads = call_threads(threads);
   const GemmPlan cut = gemm_plan(tile, jobs, count, threads);
   const auto col_tiles = [&](const GemmProblem& p) { return ceil_div(p.n, cut.cols); };
   const auto tiles_of = [&](const GemmProblem& p) {
@@ -340,7 +351,7 @@ void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::s
 
 void parallel_pack_a(std::int64_t m, std::int64_t k, const float* a, std::int64_t lda,
                      std::int64_t mr, float* packed, int threads) {
-  if (threads <= 0) threads = default_threads();
+  threads = call_threads(threads);
   const std::int64_t panels = ceil_div(m, mr);
   threads = static_cast<int>(std::clamp<std::int64_t>(panels, 1, threads));  // NOLINT
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * k >= 65536)

@@ -153,7 +153,7 @@ void run(const KernelInfo& info, const Problem& p, const float* q, const float* 
   }
   const std::string message = check_call(p, q, k, v, o, lse);
   if (!message.empty()) throw std::invalid_argument("mha::attention: " + message);
-  if (threads <= 0) threads = default_threads();
+  threads = call_threads(threads);  // the workspace for the threads that will run
   const Workspace ws = thread_workspace(parallel_workspace(info.workspace, p, threads));
   parallel_attention(info.fn, info.workspace, p, q, k, v, o, lse, threads, ws);
 }

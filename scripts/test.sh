@@ -2,11 +2,12 @@
 # Every test of the project, from a fresh Debian 12 machine: installs what it needs, builds,
 # and runs the suite natively, under AddressSanitizer + UndefinedBehaviorSanitizer, on
 # emulated older x86-64 CPUs (Haswell: AVX2, no AVX-512; qemu64: baseline x86-64) and
-# cross-built for aarch64 under qemu, and the Python tests of the reports and the peers. Ends with a table of the parts (time, ok or the step
+# cross-built for aarch64 under qemu, the concurrency tests under ThreadSanitizer, and the
+# Python tests of the reports and the peers. Ends with a table of the parts (time, ok or the step
 # that failed and why), the kernels this CPU could not run, and a closing count.
 #
-# Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64 python
-#                                            selftest
+# Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64 tsan
+#                                            python selftest
 #                                     (default: all of them, in that order)
 # Environment:
 #   JOBS             parallel build and ctest jobs (default: nproc)
@@ -24,7 +25,7 @@ cd "$REPO"
 JOBS="${JOBS:-$(nproc)}"
 BUILD_ROOT="${MHA_BUILD_ROOT:-$REPO}"
 read -r -a EXTRA_CMAKE_ARGS <<<"${CMAKE_ARGS:-}"
-ALL_PARTS=(format native sanitize emulated aarch64 python selftest)
+ALL_PARTS=(format native sanitize emulated aarch64 tsan python selftest)
 PARTS=("$@")
 ((${#PARTS[@]})) || PARTS=("${ALL_PARTS[@]}")
 for p in "${PARTS[@]}"; do
@@ -166,6 +167,17 @@ run_aarch64() {
       -DCMAKE_TOOLCHAIN_FILE="$REPO/cmake/toolchains/aarch64-linux-gnu.cmake" &&
     OMP_WAIT_POLICY=PASSIVE \
       step ctest ctest --test-dir "$BUILD_ROOT/build-aarch64" -j "$JOBS" --output-on-failure
+}
+
+# The concurrency tests and the driver's properties under ThreadSanitizer: a clang build with
+# LLVM's OpenMP runtime and its Archer tool (cmake/tsan.cmake), only their two executables.
+run_tsan() {
+  local dir="$BUILD_ROOT/build-tsan"
+  step --quiet configure cmake -S . -B "$dir" -G Ninja -DMHA_WERROR=ON -DMHA_TSAN=ON \
+    -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_BENCH=OFF \
+    "${EXTRA_CMAKE_ARGS[@]}" &&
+    step build cmake --build "$dir" -j "$JOBS" --target mha_concurrency_test mha_tsan_driver_tests &&
+    step ctest ctest --test-dir "$dir" -L concurrency -j "$JOBS" --output-on-failure
 }
 
 # The reports' and the peers' tests. The environment has the reports' packages (small); the

@@ -219,7 +219,7 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
   const auto begin = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p); };
   const std::uintptr_t bytes = static_cast<std::uintptr_t>(rows * d) * sizeof(float);
   if (begin(x) < begin(y) + bytes && begin(y) < begin(x) + bytes) fail(where, "y overlaps x");
-  if (threads <= 0) threads = default_threads();
+  threads = call_threads(threads);  // the workspace for the threads that will run
 
   const GemmTile tile = wq_.tile();
   Scratch& s = scratch();

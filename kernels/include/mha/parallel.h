@@ -57,18 +57,36 @@ Plan plan(const Problem& p);
 /// integer; anything else throws std::invalid_argument), else the number of cores.
 int default_threads();
 
+/// The threads a driver call runs on when asked for `threads` (0: default_threads()): that
+/// many, except inside an active OpenMP parallel region of the caller (omp_in_parallel(): a
+/// `#pragma omp parallel` of more than one thread, or a task created in one), where the whole call
+/// runs on the calling thread, whatever `threads` says and whether the caller enabled nested
+/// parallelism or not. The caller's team already holds the cores: with OpenMP's default
+/// (max-active-levels 1) a nested team would get one thread anyway, and with nesting
+/// enabled (omp_set_max_active_levels(2)) each of the caller's T threads would start a team
+/// of its own, T x threads threads on T cores. The output is the same bits either way (the
+/// cut does not depend on the thread count), and the call waits on no other thread of the
+/// caller's team (every region is the driver's own), so it cannot deadlock on it.
+///
+/// Threads that are not inside an OpenMP region (std::thread, a thread pool) may call at
+/// once: each call starts its own team, so k callers use k x threads threads; pass
+/// `threads` (or set MHA_NUM_THREADS) to fit them to the cores.
+int call_threads(int threads);
+
 /// Bytes of workspace parallel_attention needs to run a kernel whose own workspace is
 /// `kernel_workspace` over p on `threads` threads (0: default_threads()): one kernel
 /// workspace per thread (for the largest unit), the schedule, and for split-KV the partial
 /// results, chunks * (D + 1) floats per query row of every unit, at most 16 chunks (about
-/// 0.25 MiB for one decode token of 32 heads at D = 128).
+/// 0.25 MiB for one decode token of 32 heads at D = 128). Sized for `threads` inside a
+/// parallel region too, so that a workspace sized there serves calls made outside.
 std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p, int threads = 0);
 
-/// Runs `kernel` over p on `threads` threads (0: default_threads()). Same contract as a
+/// Runs `kernel` over p on call_threads(threads) threads. Same contract as a
 /// kernel: p must pass check(), pointers valid, outputs disjoint from inputs; lse may be
 /// null. ws must hold parallel_workspace(kernel_workspace, p, threads) bytes for the same
-/// thread count; nothing is allocated, so a caller that keeps its workspace makes repeated
-/// calls allocation-free (OpenMP's own thread pool aside).
+/// thread count, or for more threads (fewer need less: inside a parallel region, any
+/// count's workspace serves); nothing is allocated, so a caller that keeps its workspace makes
+/// repeated calls allocation-free (OpenMP's own thread pool aside).
 void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
                         const float* q, const float* k, const float* v, float* o, float* lse,
                         int threads, Workspace ws);
@@ -112,14 +130,14 @@ struct GemmJob {
 /// `threads` threads (0: default_threads()); see GemmPlan.
 GemmPlan gemm_plan(GemmTile tile, const GemmJob* jobs, std::size_t count, int threads);
 
-/// Runs the jobs with `kernel` (register tile `tile`) on `threads` threads (0:
-/// default_threads()), the tiles of all jobs dealt out dynamically. Each job must pass
+/// Runs the jobs with `kernel` (register tile `tile`) on call_threads(threads) threads, the
+/// tiles of all jobs dealt out dynamically. Each job must pass
 /// check_gemm and the kernel's contract (c disjoint from every input and from every other
 /// job's c). Needs no workspace and allocates nothing (OpenMP's thread pool aside).
 void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::size_t count,
                    int threads);
 
-/// pack_a on `threads` threads (0: default_threads()), a panel at a time.
+/// pack_a on call_threads(threads) threads, a panel at a time.
 void parallel_pack_a(std::int64_t m, std::int64_t k, const float* a, std::int64_t lda,
                      std::int64_t mr, float* packed, int threads);
 

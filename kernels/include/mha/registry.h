@@ -94,7 +94,8 @@ std::string check_call(const Problem& p, const float* q, const float* k, const f
 
 /// Validates (throwing std::invalid_argument with check_call's message) and runs the best
 /// available kernel through the parallel driver (mha/parallel.h) on `threads` threads
-/// (0: MHA_NUM_THREADS, else all cores). lse may be null. The output does not depend on
+/// (0: MHA_NUM_THREADS, else all cores; inside a caller's OpenMP parallel region the
+/// calling thread alone: call_threads). lse may be null. The output does not depend on
 /// the thread count, bit for bit. The driver's workspace is kept per calling thread and
 /// grown when a problem needs more: a call no larger than an earlier one on the same thread
 /// allocates nothing.
@@ -156,7 +157,8 @@ class PackedMatrix {
 };
 
 /// C = A B (+ bias when not null) with B's kernel, through the GEMM driver (mha/parallel.h)
-/// on `threads` threads (0: MHA_NUM_THREADS, else all cores): A (m x k, rows lda apart) is
+/// on `threads` threads (0: MHA_NUM_THREADS, else all cores; inside a caller's OpenMP
+/// parallel region the calling thread alone: call_threads): A (m x k, rows lda apart) is
 /// packed into a per-thread scratch that only grows, C is m x n with rows ldc apart, bias
 /// has n floats. Validates (std::invalid_argument: sizes, strides, null pointers, C
 /// overlapping A or bias, an empty B). The output does not depend on the thread count.
