@@ -199,6 +199,9 @@ Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string
 
 void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bool causal,
                     int threads) const {
+  // The kernels guard their own arithmetic; this covers the layer's (the attention scale
+  // 1/sqrt(D) of make_problem), and the OpenMP threads keep their own environments.
+  const FpEnvGuard default_fp_env;
   const char* where = "Layer::prefill";
   if (!same_shape(cache.config(), config_)) {
     fail(where, "the cache is for another layer shape (" + shape(cache.config()) +

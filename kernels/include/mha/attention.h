@@ -21,6 +21,9 @@
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.
+// * Floating-point environment: every kernel, and merge, computes under the default one
+//   (round to nearest, no flush-to-zero or denormals-are-zero, exceptions masked) whatever
+//   the caller set, and gives the caller's back on return: FpEnvGuard below.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +35,10 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#if !(defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__)))
+#include <cfenv>
+#endif
 
 namespace mha {
 
@@ -137,9 +144,78 @@ using WorkspaceSize = std::size_t (*)(const Problem& p);
 /// are non-null, outputs do not overlap inputs, ws holds at least the kernel's
 /// WorkspaceSize(p) bytes and overlaps no tensor. lse may be null (then it is not written).
 /// Every kernel file defines two functions, mha_f32_attention_<name> of this type and
-/// mha_f32_attention_<name>_workspace of type WorkspaceSize.
+/// mha_f32_attention_<name>_workspace of type WorkspaceSize. The kernel holds an FpEnvGuard
+/// (below) for the call, so its results do not depend on the caller's floating-point
+/// environment and the caller's control bits are as they were on return.
 using Kernel = void (*)(const Problem& p, const float* q, const float* k, const float* v, float* o,
                         float* lse, Workspace ws);
+
+/// Runs the scope it lives in under the default floating-point environment, and gives the
+/// caller's back when the scope ends. Frameworks may set flush-to-zero and
+/// denormals-are-zero for speed, or another rounding mode, and that environment is per
+/// thread: without this, a kernel's results (its exp's rounding steps, its denormal
+/// weights) would follow whatever the calling thread, or an OpenMP worker, was left in.
+///
+/// * Control (restored exactly): x86-64 MXCSR bits 6-15 (DAZ, the exception masks, the
+///   rounding mode, FTZ), which govern all SSE/AVX arithmetic, float and double (the x87
+///   unit, long double only, is not used and not touched); AArch64 the whole FPCR (FZ, DN,
+///   RMode, trap enables). Elsewhere only the rounding mode (std::fesetround).
+/// * Status flags are neither saved nor cleared: flags the caller had raised stay raised,
+///   and the guarded code may raise more, as any arithmetic does (FE_INEXACT nearly always;
+///   the others as the data and discarded vector lanes make them). With every exception
+///   masked inside, no trap the caller enabled fires in the guarded code.
+/// * Cost: one read of the control register on entry; when the caller's control bits are
+///   already the default (the usual case) nothing else, otherwise one write on entry and
+///   one on exit. So kernels hold one per call, never one per tile.
+///
+/// The reads and writes are compiler barriers for memory, so no load of an input moves
+/// above the switch and no store of an output below the restore.
+class FpEnvGuard {
+ public:
+  FpEnvGuard() noexcept : saved_(read()) {
+    if ((saved_ & ~kFlags) != kDefault) {
+      changed_ = true;
+      write(kDefault | (saved_ & kFlags));
+    }
+  }
+  ~FpEnvGuard() {
+    // The caller's control bits, and every flag raised before or inside the scope.
+    if (changed_) write((saved_ & ~kFlags) | (read() & kFlags));
+  }
+  FpEnvGuard(const FpEnvGuard&) = delete;
+  FpEnvGuard& operator=(const FpEnvGuard&) = delete;
+
+ private:
+#if defined(__GNUC__) && defined(__x86_64__)
+  using Word = std::uint32_t;
+  static constexpr Word kFlags = 0x3F;      // IE DE ZE OE UE PE: sticky status flags
+  static constexpr Word kDefault = 0x1F80;  // every exception masked, nearest, no FTZ/DAZ
+  static Word read() noexcept {
+    Word w;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(w) : : "memory");
+    return w;
+  }
+  static void write(Word w) noexcept { __asm__ __volatile__("ldmxcsr %0" : : "m"(w) : "memory"); }
+#elif defined(__GNUC__) && defined(__aarch64__)
+  using Word = std::uint64_t;
+  static constexpr Word kFlags = 0;    // the flags live in FPSR, which is left alone
+  static constexpr Word kDefault = 0;  // nearest, no flushing, IEEE NaNs, no traps
+  static Word read() noexcept {
+    Word w;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(w) : : "memory");
+    return w;
+  }
+  static void write(Word w) noexcept { __asm__ __volatile__("msr fpcr, %0" : : "r"(w) : "memory"); }
+#else
+  using Word = int;
+  static constexpr Word kFlags = 0;
+  static constexpr Word kDefault = FE_TONEAREST;
+  static Word read() noexcept { return std::fegetround(); }
+  static void write(Word w) noexcept { std::fesetround(w); }
+#endif
+  Word saved_;
+  bool changed_ = false;
+};
 
 namespace detail {
 
@@ -304,6 +380,8 @@ namespace detail {
 // scratch: parts.count + p.head_dim floats.
 inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, float* lse,
                             float* scratch) {
+  // Its exp, log and division round as the tolerance assumes, whatever the caller set.
+  const FpEnvGuard default_fp_env;
   float* const weight = scratch;             // [parts.count]
   float* const acc = scratch + parts.count;  // one row of o: [head_dim]
   const float neg_inf = -std::numeric_limits<float>::infinity();
