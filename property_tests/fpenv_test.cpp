@@ -279,30 +279,44 @@ std::vector<float> values(std::int64_t n, std::int64_t row, bool tiny_first, std
   return x;
 }
 
-// An attention problem with such inputs, dense in `layout`.
+// An attention problem with such inputs. With `specials`, also an infinite key, a NaN
+// value and a query whose dot products overflow: invalid operations and overflows, whose
+// traps must not fire (NaN and Inf propagate by contract).
 struct Attention {
   Problem p;
   std::vector<float> q, k, v;
-  Attention(const Problem& problem, std::uint64_t seed) : p(problem) {
+  Attention(const Problem& problem, std::uint64_t seed, bool specials = false) : p(problem) {
     q = values(q_extent(p), p.head_dim, false, seed);
     k = values(k_extent(p), p.head_dim, false, seed + 1);
     v = values(v_extent(p), p.head_dim, true, seed + 2);
+    if (specials) {
+      k[static_cast<std::size_t>(5 * p.k.seq)] = std::numeric_limits<float>::infinity();
+      v[static_cast<std::size_t>(2 * p.v.seq + 1)] = std::numeric_limits<float>::quiet_NaN();
+      q[static_cast<std::size_t>(p.q.seq)] = 1e30f;
+    }
   }
 };
 
 // Prefill (a block path, GQA, causal, a head_dim off every vector width), decode (the
-// decode paths; head-major) and causal with more queries than keys (rows that see none).
-std::vector<Problem> kernel_shapes() {
-  return {make_problem(1, 37, 37, 4, 2, 40, true),
-          make_problem(2, 1, 100, 4, 1, 24, false, Layout::head_major),
-          make_problem(1, 20, 9, 2, 2, 17, true)};
+// decode paths; head-major), causal with more queries than keys (rows that see none), and
+// a small causal prefill with special values.
+struct Shape {
+  Problem p;
+  bool specials;
+};
+std::vector<Shape> kernel_shapes() {
+  return {{make_problem(1, 37, 37, 4, 2, 40, true), false},
+          {make_problem(2, 1, 100, 4, 1, 24, false, Layout::head_major), false},
+          {make_problem(1, 20, 9, 2, 2, 17, true), false},
+          {make_problem(1, 12, 12, 2, 1, 16, true), true}};
 }
 
 class FpEnvKernel : public KernelTest {};
 
 TEST_P(FpEnvKernel, GivesTheDefaultEnvironmentsBits) {
-  for (const Problem& p : kernel_shapes()) {
-    const Attention a(p, 11);
+  for (const Shape& shape : kernel_shapes()) {
+    const Problem& p = shape.p;
+    const Attention a(p, 11, shape.specials);
     const std::size_t ws_bytes = kernel().workspace(p);
     expect_environment_ignored(std::string(kernel().name) + ", Lq " + std::to_string(p.q_len), 1,
                                [&](Under& under) {
