@@ -4,7 +4,7 @@
 // visible keys, a stable softmax (subtract the row max, exp, sum), then o = softmax(s) V.
 // Layout: any strides mha::check accepts; reads only the elements the strides address,
 // writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
-// caller's; the kernel allocates nothing).
+// caller's; the kernel allocates nothing; SIZE_MAX when kv_len floats overflow size_t).
 // Floating-point environment: the default one for the call (mha::FpEnvGuard), whatever the
 // caller's. ISA: portable C++ (the compiler may vectorize). Depends on mha/attention.h only.
 #include <cmath>
@@ -15,7 +15,7 @@
 #include "mha/attention.h"
 
 std::size_t mha_f32_attention_naive_workspace(const mha::Problem& p) {
-  return static_cast<std::size_t>(p.kv_len) * sizeof(float);
+  return mha::detail::bytes_of(p.kv_len, sizeof(float));  // SIZE_MAX past size_t
 }
 
 void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float* k, const float* v,

@@ -24,6 +24,8 @@
 // * Floating-point environment: every kernel, and merge, computes under the default one
 //   (round to nearest, no flush-to-zero or denormals-are-zero, exceptions masked) whatever
 //   the caller set, and gives the caller's back on return: FpEnvGuard below.
+// * Scratch memory that cannot be allocated throws AllocationError (a std::bad_alloc that
+//   says what was needed and how many bytes) before any output is written.
 #pragma once
 
 #include <algorithm>
@@ -31,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -138,6 +141,8 @@ struct Workspace {
 /// How many bytes of workspace a kernel needs for p (which must pass check()). It depends on
 /// the sizes only (not on causal, scale, strides or data) and never decreases when q_len
 /// or kv_len grows. Compiled with its kernel's ISA flags: call it where the kernel may run.
+/// A size that does not fit size_t is SIZE_MAX (detail::bytes_of), which no allocation
+/// gives: the caller fails to allocate instead of lending a wrapped-around size.
 using WorkspaceSize = std::size_t (*)(const Problem& p);
 
 /// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k, v, o
@@ -216,6 +221,57 @@ class FpEnvGuard {
   Word saved_;
   bool changed_ = false;
 };
+
+/// Thrown when scratch memory cannot be allocated (the driver's workspace of
+/// mha::attention, a packed matrix, the layer's scratch and KV cache, merge's row), before
+/// any output is written. A std::bad_alloc, so that handlers of running out of memory catch
+/// it (pybind11 turns it into MemoryError), whose what() says which call needed what and
+/// how many bytes: "mha::attention: out of memory: cannot allocate 4398046512575 bytes for
+/// the driver's workspace".
+class AllocationError : public std::bad_alloc {
+ public:
+  AllocationError(const std::string& where, const std::string& what, std::size_t bytes)
+      : message_(where + ": out of memory: " +
+                 (bytes == std::numeric_limits<std::size_t>::max()
+                      ? what + " needs more bytes than a size_t counts"
+                      : "cannot allocate " + std::to_string(bytes) + " bytes for " + what)),
+        bytes_(bytes) {}
+  const char* what() const noexcept override { return message_.what(); }
+  /// The bytes asked for; SIZE_MAX when the size itself overflows.
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  std::runtime_error message_;  // its string is copied without allocating, as exceptions must be
+  std::size_t bytes_;
+};
+
+namespace detail {
+
+/// allocate(), with a failure to allocate (std::bad_alloc, or std::length_error from a
+/// container asked for more than it can hold) thrown as AllocationError(where, what, bytes).
+template <typename F>
+auto allocate_or_throw(const char* where, const char* what, std::size_t bytes, F&& allocate)
+    -> decltype(allocate()) {
+  try {
+    return allocate();
+  } catch (const AllocationError&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw AllocationError(where, what, bytes);
+  } catch (const std::length_error&) {
+    throw AllocationError(where, what, bytes);
+  }
+}
+
+/// n * size in bytes, or SIZE_MAX when that does not fit (or n < 0): a size no allocation
+/// gives, so the caller fails cleanly instead of wrapping around to a small buffer.
+inline std::size_t bytes_of(std::int64_t n, std::size_t size) {
+  const std::size_t max = std::numeric_limits<std::size_t>::max();
+  if (n < 0 || static_cast<std::uint64_t>(n) > max / size) return max;
+  return static_cast<std::size_t>(n) * size;
+}
+
+}  // namespace detail
 
 namespace detail {
 
@@ -441,7 +497,8 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 /// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
 /// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
 /// every element is read before it is written. Throws std::invalid_argument on bad input.
-/// Allocates parts.count + head_dim floats of scratch per call.
+/// Allocates parts.count + head_dim floats of scratch per call, AllocationError when it
+/// cannot (before writing anything).
 inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
   const std::string problem = check(p);
   if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
@@ -455,7 +512,10 @@ inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
       throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
     }
   }
-  std::vector<float> scratch(static_cast<std::size_t>(parts.count + p.head_dim));
+  const std::int64_t floats = parts.count + p.head_dim;
+  std::vector<float> scratch = detail::allocate_or_throw(
+      "mha::merge", "its scratch row", detail::bytes_of(floats, sizeof(float)),
+      [&] { return std::vector<float>(static_cast<std::size_t>(floats)); });
   detail::merge_unchecked(p, parts, o, lse, scratch.data());
 }
 
