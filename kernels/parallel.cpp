@@ -182,6 +182,13 @@ int default_threads() {
 std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p, int threads) {
   if (threads <= 0) threads = default_threads();
   const Bounds b = bounds(kernel_workspace, p, threads);
+  // A kernel workspace that does not fit threads times over (SIZE_MAX: a naive decode over a
+  // broadcast KV cache of 2^62 keys) makes the whole one SIZE_MAX, which no allocation gives.
+  if (b.kernel_bytes >
+      static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max() - support::Carve::kAlign) /
+          static_cast<std::size_t>(b.threads)) {
+    return std::numeric_limits<std::size_t>::max();
+  }
   return support::workspace_bytes([&](support::Carve& c) { layout(b, p, c); });
 }
 
@@ -320,6 +327,10 @@ GemmPlan gemm_plan(GemmTile tile, const GemmJob* jobs, std::size_t count, int th
 void parallel_gemm(GemmKernel kernel, GemmTile tile, const GemmJob* jobs, std::size_t count,
                    int threads) {
   threads = call_threads(threads);
+  // The kernels' blocking reads the cache sizes once per process (support::caches(), which
+  // allocates and may throw): read here, a failure is this call's exception, not
+  // std::terminate inside the parallel region.
+  (void)support::caches();
   const GemmPlan cut = gemm_plan(tile, jobs, count, threads);
   const auto col_tiles = [&](const GemmProblem& p) { return ceil_div(p.n, cut.cols); };
   const auto tiles_of = [&](const GemmProblem& p) {

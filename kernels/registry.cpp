@@ -138,7 +138,10 @@ Workspace thread_workspace(std::size_t bytes) {
   thread_local std::size_t size = 0;
   if (bytes > size) {
     data.reset();  // the old one first: the peak is the new size, not the sum
-    data.reset(new unsigned char[bytes]);
+    size = 0;      // and its size forgotten, so a failure below leaves no size without memory
+    data = detail::allocate_or_throw("mha::attention", "the driver's workspace", bytes, [&] {
+      return std::unique_ptr<unsigned char[]>(new unsigned char[bytes]);
+    });
     size = bytes;
   }
   return {data.get(), size};
@@ -179,7 +182,9 @@ PackedMatrix::PackedMatrix(const GemmInfo& kernel, std::int64_t k, std::int64_t 
       static_cast<std::uint64_t>(floats) > data_.max_size()) {
     throw std::invalid_argument("PackedMatrix: the packed size overflows");
   }
-  data_.resize(static_cast<std::size_t>(floats));
+  detail::allocate_or_throw("PackedMatrix", "the packed matrix",
+                            detail::bytes_of(floats, sizeof(float)),
+                            [&] { data_.resize(static_cast<std::size_t>(floats)); });
   pack_b(k, n, b, row_stride, col_stride, tile_.nr, data_.data());
 }
 
@@ -206,7 +211,9 @@ void gemm(std::int64_t m, const float* a, std::int64_t lda, const PackedMatrix& 
   if (packed_a.size() < floats) {
     packed_a.clear();
     packed_a.shrink_to_fit();  // the old one first: the peak is the new size, not the sum
-    packed_a.resize(floats);
+    detail::allocate_or_throw("mha::gemm", "the packed A",
+                              detail::bytes_of(static_cast<std::int64_t>(floats), sizeof(float)),
+                              [&] { packed_a.resize(floats); });
   }
   parallel_pack_a(p.m, p.k, a, lda, tile.mr, packed_a.data(), threads);
   const GemmJob job{p, packed_a.data(), b.data(), bias, c};

@@ -5,7 +5,8 @@
 //
 // Counted: every C++ allocation (std::vector, std::string, new). Not counted: malloc called
 // directly, which the project's code never does; OpenMP's runtime allocates its thread pool
-// that way, once.
+// that way, once. The same operator new fails on demand (allocation_hooks.h) for
+// allocation_failure_test.cpp.
 #include <gtest/gtest.h>
 #include <mha/attention.h>
 #include <mha/parallel.h>
@@ -13,10 +14,13 @@
 #include <rapidcheck.h>
 #include <rapidcheck/gtest.h>
 
+#include "allocation_hooks.h"
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <new>
 #include <random>
@@ -26,9 +30,14 @@
 namespace {
 
 std::atomic<long> g_allocations{0};
+// What allocation_hooks.h sets, per thread: the allocation to fail and the size limit.
+thread_local long t_allocations = 0;
+thread_local long t_fail_at = -1;
+thread_local std::size_t t_limit = std::numeric_limits<std::size_t>::max();
 
 void* counted(std::size_t size, std::size_t align) {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (t_allocations++ == t_fail_at || size > t_limit) return nullptr;
   if (size == 0) size = 1;
   void* p = nullptr;
   if (align <= alignof(std::max_align_t)) {
@@ -40,6 +49,12 @@ void* counted(std::size_t size, std::size_t align) {
 }
 
 }  // namespace
+
+namespace mha::test::alloc {
+long count() { return t_allocations; }
+void fail_at(long n) { t_fail_at = n < 0 ? -1 : t_allocations + n; }
+void limit(std::size_t bytes) { t_limit = bytes; }
+}  // namespace mha::test::alloc
 
 // The replaceable global allocation functions (the array and nothrow forms of the standard
 // library call these).

@@ -89,6 +89,12 @@
 // weights; a prefill workspace is at least the largest decode's, so that the size never
 // shrinks as q_len grows.
 //
+// Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
+// so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
+// output, and the caller's control bits are as they were on return.
+// avx2_exp.h rounds x to an integer by adding 1.5 2^23, which in FE_UPWARD rounds up: f
+// would leave [-1/2, 1/2], and the polynomial's error bound with it.
+//
 // Depends on mha/attention.h, mha/support.h and avx2_exp.h (this folder) only.
 #include "avx2_exp.h"
 
@@ -730,6 +736,7 @@ std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* k, const float* v,
                             float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   if (decodes(p)) {
     decode_rows(p, q, k, v, o, lse, ws);
     return;

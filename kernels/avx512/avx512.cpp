@@ -80,6 +80,10 @@
 // 680 KiB at D = 128, g = 4 with a 2 MiB L2 (420 KiB with 1 MiB). Decode needs g x q_len
 // x D16 floats and a tile of weights.
 //
+// Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
+// so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
+// output, and the caller's control bits are as they were on return.
+//
 // Depends on mha/attention.h, mha/support.h and avx512_exp.h (this folder) only.
 // avx512_exp.h first: it includes immintrin.h (see there why).
 #include "avx512_exp.h"
@@ -869,6 +873,7 @@ std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
                               float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   if (decodes(p)) {
     decode_rows(p, q, k, v, o, lse, ws);
     return;

@@ -36,6 +36,10 @@
 // with R = g x Br block rows. For D = 128 and g = 4 that is 32 + 16 + 32 KiB; it depends on
 // head_dim and g, never on q_len or kv_len beyond Bc and Br.
 //
+// Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
+// so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
+// output, and the caller's control bits are as they were on return.
+//
 // Depends on mha/attention.h, mha/support.h and the standard library only.
 #include <algorithm>
 #include <cmath>
@@ -247,6 +251,7 @@ std::size_t mha_f32_attention_blocked_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_blocked(const mha::Problem& p, const float* q, const float* k,
                                const float* v, float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;
   Carve workspace(ws.data);

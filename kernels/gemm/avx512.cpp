@@ -14,6 +14,8 @@
 // Tails: rows through with_count (the microkernel for the rows left); columns past n are
 // zero in the packed B, computed, and not stored (masked loads and stores of C and bias).
 //
+// Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
+//
 // ISA: AVX-512F (and the flags of cmake/isa.cmake's avx512). Depends on gemm_loops.h,
 // mha/gemm.h, mha/support.h, <immintrin.h> and the standard library only.
 #include <immintrin.h>
@@ -91,6 +93,7 @@ mha::GemmTile mha_f32_gemm_avx512_tile() { return {kMr, kNr}; }
 
 void mha_f32_gemm_avx512(const mha::GemmProblem& p, const float* a, const float* b,
                          const float* bias, float* c) {
+  const mha::FpEnvGuard default_fp_env;
   // micro<R> for the rows left (with_count's constant), called as gemm_loops describes.
   mha::support::gemm_loops<kMr, kNr>(
       p, a, b, bias, c, [](auto rows, auto... args) { micro<decltype(rows)::value>(args...); });

@@ -11,6 +11,8 @@
 // partial panel's C row goes through a 12-float stack buffer, so only real columns are read
 // and written.
 //
+// Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
+//
 // ISA: Advanced SIMD, the AArch64 baseline. Depends on gemm_loops.h, mha/gemm.h,
 // mha/support.h, <arm_neon.h> and the standard library only.
 #include <arm_neon.h>
@@ -98,6 +100,7 @@ mha::GemmTile mha_f32_gemm_neon_tile() { return {kMr, kNr}; }
 
 void mha_f32_gemm_neon(const mha::GemmProblem& p, const float* a, const float* b, const float* bias,
                        float* c) {
+  const mha::FpEnvGuard default_fp_env;
   // micro<R> for the rows left (with_count's constant), called as gemm_loops describes.
   mha::support::gemm_loops<kMr, kNr>(
       p, a, b, bias, c, [](auto rows, auto... args) { micro<decltype(rows)::value>(args...); });

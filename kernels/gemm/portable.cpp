@@ -22,6 +22,8 @@
 // Writes only C's m x n elements; reads the packed panels that cover A's m rows and B's n
 // columns, and bias's n floats. No workspace.
 //
+// Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
+//
 // Depends on gemm_loops.h, mha/gemm.h, mha/support.h (and the mha/attention.h it includes) and
 // the standard library only.
 #include <cstddef>
@@ -69,6 +71,7 @@ mha::GemmTile mha_f32_gemm_portable_tile() { return {kMr, kNr}; }
 
 void mha_f32_gemm_portable(const mha::GemmProblem& p, const float* a, const float* b,
                            const float* bias, float* c) {
+  const mha::FpEnvGuard default_fp_env;
   // micro<R> for the rows left (with_count's constant), called as gemm_loops describes.
   mha::support::gemm_loops<kMr, kNr>(
       p, a, b, bias, c, [](auto rows, auto... args) { micro<decltype(rows)::value>(args...); });

@@ -19,6 +19,9 @@
 // and FMA so far has (Intel since Haswell, AMD since Excavator). HWY_DYNAMIC_DISPATCH
 // consults libhwy's own detection, which is stricter.
 //
+// Every entry point runs under mha::FpEnvGuard: the caller's floating-point environment
+// changes no bit.
+//
 // Depends on mha/attention.h, mha/support.h, highway_kernel-inl.h (this folder; found
 // through the include path: compile with -I of this folder) and Highway (headers and
 // libhwy, -lhwy) only.
@@ -59,6 +62,7 @@ std::size_t mha_f32_attention_highway_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_highway(const mha::Problem& p, const float* q, const float* k,
                                const float* v, float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   mha::highway_kernel::DispatchRun(p, q, k, v, o, lse, ws);
 }
 
@@ -71,6 +75,7 @@ void mha_f32_attention_highway(const mha::Problem& p, const float* q, const floa
   }                                                                                                \
   void mha_f32_attention_highway_##name(const mha::Problem& p, const float* q, const float* k,     \
                                         const float* v, float* o, float* lse, mha::Workspace ws) { \
+    const mha::FpEnvGuard default_fp_env;                                                          \
     mha::highway_kernel::N_##TARGET::Run(p, q, k, v, o, lse, ws);                                  \
   }
 

@@ -63,16 +63,22 @@ const float* bias_at(const std::vector<float>& b, std::int64_t offset) {
   return b.empty() ? nullptr : b.data() + offset;
 }
 
-// Grows v to at least n elements, freeing the old buffer first (the peak is the new size).
+// Grows v to at least n elements, freeing the old buffer first (the peak is the new size);
+// AllocationError(where, what) when that memory cannot be had, v then empty.
 template <typename T>
-T* grow(std::vector<T>& v, std::int64_t n) {
-  if (v.size() < static_cast<std::size_t>(n)) {
+T* grow(std::vector<T>& v, std::size_t n, const char* where, const char* what) {
+  if (v.size() < n) {
     v.clear();
     v.shrink_to_fit();
-    v.resize(static_cast<std::size_t>(n));
+    const std::size_t max = std::numeric_limits<std::size_t>::max();
+    detail::allocate_or_throw(where, what, n > max / sizeof(T) ? max : n * sizeof(T),
+                              [&] { v.resize(n); });
   }
   return v.data();
 }
+
+// A count of elements that fits int64 as a size_t (a saturated one stays too large to allocate).
+std::size_t count(std::int64_t n) { return static_cast<std::size_t>(std::max<std::int64_t>(n, 0)); }
 
 // The calling thread's scratch, grown to the largest call so far.
 struct Scratch {
@@ -123,8 +129,10 @@ KvCache::KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t cap
   if (floats == kMax || static_cast<std::uint64_t>(floats) > k_.max_size() / 2) {
     fail("KvCache", "the cache's size overflows");
   }
-  k_.resize(static_cast<std::size_t>(floats));
-  v_.resize(static_cast<std::size_t>(floats));
+  detail::allocate_or_throw("KvCache", "the cache's K and V", bytes(config, batch, capacity), [&] {
+    k_.resize(static_cast<std::size_t>(floats));
+    v_.resize(static_cast<std::size_t>(floats));
+  });
 }
 
 std::size_t KvCache::bytes(const LayerConfig& config, std::int64_t batch, std::int64_t capacity) {
@@ -184,21 +192,41 @@ Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string
   }
   const std::int64_t d = config.d_model, D = config.head_dim;
   const std::int64_t hd = config.q_heads * D, kvd = config.kv_heads * D;
-  // PackedMatrix checks the GEMM kernel's availability.
-  wq_ = pack_columns(*gemm_, w.wq, w.transposed, d, hd, 0, hd);
+  // PackedMatrix checks the GEMM kernel's availability, and says when its memory cannot be
+  // had; the layer says which weight that was.
+  const auto pack = [&](const char* name, const float* weight, std::int64_t in, std::int64_t out,
+                        std::int64_t j0, std::int64_t cols) {
+    try {
+      return pack_columns(*gemm_, weight, w.transposed, in, out, j0, cols);
+    } catch (const AllocationError& e) {
+      throw AllocationError("Layer", std::string("the packed ") + name, e.bytes());
+    }
+  };
+  const auto kv_heads = static_cast<std::size_t>(config.kv_heads);
+  detail::allocate_or_throw("Layer", "the list of packed W^K and W^V",
+                            2 * kv_heads * sizeof(PackedMatrix), [&] {
+                              wk_.reserve(kv_heads);
+                              wv_.reserve(kv_heads);
+                            });
+  wq_ = pack("W^Q", w.wq, d, hd, 0, hd);
   for (std::int64_t j = 0; j < config.kv_heads; ++j) {
-    wk_.push_back(pack_columns(*gemm_, w.wk, w.transposed, d, kvd, j * D, D));
-    wv_.push_back(pack_columns(*gemm_, w.wv, w.transposed, d, kvd, j * D, D));
+    wk_.push_back(pack("W^K", w.wk, d, kvd, j * D, D));
+    wv_.push_back(pack("W^V", w.wv, d, kvd, j * D, D));
   }
-  wo_ = pack_columns(*gemm_, w.wo, w.transposed, hd, d, 0, d);
-  bq_ = copy_bias(w.bq, hd);
-  bk_ = copy_bias(w.bk, kvd);
-  bv_ = copy_bias(w.bv, kvd);
-  bo_ = copy_bias(w.bo, d);
+  wo_ = pack("W^O", w.wo, hd, d, 0, d);
+  detail::allocate_or_throw("Layer", "the biases", 2 * (hd + kvd) * sizeof(float), [&] {
+    bq_ = copy_bias(w.bq, hd);
+    bk_ = copy_bias(w.bk, kvd);
+    bv_ = copy_bias(w.bv, kvd);
+    bo_ = copy_bias(w.bo, d);
+  });
 }
 
 void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bool causal,
                     int threads) const {
+  // The kernels guard their own arithmetic; this covers the layer's (the attention scale
+  // 1/sqrt(D) of make_problem), and the OpenMP threads keep their own environments.
+  const FpEnvGuard default_fp_env;
   const char* where = "Layer::prefill";
   if (!same_shape(cache.config(), config_)) {
     fail(where, "the cache is for another layer shape (" + shape(cache.config()) +
@@ -222,20 +250,34 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
   threads = call_threads(threads);  // the workspace for the threads that will run
 
   const GemmTile tile = wq_.tile();
+  const std::int64_t len = cache.length();
+  const Strides kv = cache.strides();
+  // The attention of the n new queries over the len + n cached keys, sized here: every
+  // scratch array is grown before anything is written, so that when memory runs out y and
+  // the cache (its length and its rows) are as they were.
+  Problem p = make_problem(B, n, len + n, H, Hkv, D, causal);
+  p.k = p.v = kv;
+  const WorkspaceSize kernel_ws = attention_->workspace;
+  const std::size_t attention_bytes = parallel_workspace(kernel_ws, p, threads);
   Scratch& s = scratch();
   const std::int64_t packed_rows = packed_floats(n, d, tile.mr);  // one sequence's packed X
-  float* packed_x = grow(s.packed_x, B * packed_rows);
-  float* q = grow(s.q, rows * hd);
-  float* o = grow(s.o, rows * hd);
-  float* packed_o = grow(s.packed_o, packed_floats(rows, hd, tile.mr));
+  float* packed_x = grow(s.packed_x, count(sat_mul(B, packed_rows)), where, "the packed X");
+  float* q = grow(s.q, count(rows * hd), where, "the queries Q");
+  float* o = grow(s.o, count(rows * hd), where, "the attention output");
+  float* packed_o = grow(s.packed_o, count(packed_floats(rows, hd, tile.mr)), where,
+                         "the packed attention output");
+  const Workspace ws{grow(s.attention, attention_bytes, where, "the attention driver's workspace"),
+                     s.attention.size()};
+  const auto jobs = static_cast<std::size_t>(B * (1 + 2 * Hkv));
+  s.jobs.clear();
+  detail::allocate_or_throw(where, "the GEMM job list", jobs * sizeof(GemmJob),
+                            [&] { s.jobs.reserve(jobs); });
+
   for (std::int64_t b = 0; b < B; ++b) {
     parallel_pack_a(n, d, x + b * n * d, d, tile.mr, packed_x + b * packed_rows, threads);
   }
 
   // Projections: per sequence, Q and each KV head's K and V rows, into the cache.
-  const std::int64_t len = cache.length();
-  const Strides kv = cache.strides();
-  s.jobs.clear();
   for (std::int64_t b = 0; b < B; ++b) {
     const float* a = packed_x + b * packed_rows;
     s.jobs.push_back({{n, hd, d, hd}, a, wq_.data(), bias_at(bq_, 0), q + b * n * hd});
@@ -257,12 +299,6 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
   cache.length_ = len + n;
 
   // Attention of the n new queries over the len + n cached keys.
-  Problem p = make_problem(B, n, len + n, H, Hkv, D, causal);
-  p.k = p.v = kv;
-  const WorkspaceSize kernel_ws = attention_->workspace;
-  Workspace ws{
-      grow(s.attention, static_cast<std::int64_t>(parallel_workspace(kernel_ws, p, threads))),
-      s.attention.size()};
   parallel_attention(attention_->fn, kernel_ws, p, q, cache.k(), cache.v(), o, nullptr, threads,
                      ws);
 

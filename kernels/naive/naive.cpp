@@ -4,8 +4,9 @@
 // visible keys, a stable softmax (subtract the row max, exp, sum), then o = softmax(s) V.
 // Layout: any strides mha::check accepts; reads only the elements the strides address,
 // writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
-// caller's; the kernel allocates nothing). ISA: portable C++ (the compiler may vectorize).
-// Depends on mha/attention.h only.
+// caller's; the kernel allocates nothing; SIZE_MAX when kv_len floats overflow size_t).
+// Floating-point environment: the default one for the call (mha::FpEnvGuard), whatever the
+// caller's. ISA: portable C++ (the compiler may vectorize). Depends on mha/attention.h only.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -14,11 +15,12 @@
 #include "mha/attention.h"
 
 std::size_t mha_f32_attention_naive_workspace(const mha::Problem& p) {
-  return static_cast<std::size_t>(p.kv_len) * sizeof(float);
+  return mha::detail::bytes_of(p.kv_len, sizeof(float));  // SIZE_MAX past size_t
 }
 
 void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float* k, const float* v,
                              float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;  // the caller's FTZ or rounding mode would change o
   const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
   float* const score = static_cast<float*>(ws.data);  // [kv_len]
   for (std::int64_t b = 0; b < p.batch; ++b) {

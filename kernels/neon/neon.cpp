@@ -91,6 +91,10 @@
 // decode's (7 rows of the same head_dim), so the size never shrinks as q_len grows across
 // the threshold (at head_dim 1, 7 decode rows need more than an 8-row prefill block).
 //
+// Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
+// so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
+// output, and the caller's control bits are as they were on return.
+//
 // Depends on mha/attention.h, mha/support.h and neon_exp.h (this folder) only.
 #include <arm_neon.h>
 
@@ -766,6 +770,7 @@ std::size_t mha_f32_attention_neon_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_neon(const mha::Problem& p, const float* q, const float* k, const float* v,
                             float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   if (decodes(p)) {
     decode_rows(p, q, k, v, o, lse, ws);
     return;

@@ -2,6 +2,8 @@
 // xsimd::fma3<xsimd::avx2>, AVX2 + FMA: 8-float vectors, 16 registers,
 // MR = 6. Compiled with the avx2 ISA's flags (cmake/isa.cmake).
 //
+// Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
+//
 // Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
 #include "xsimd_kernel.h"
 
@@ -17,5 +19,6 @@ std::size_t mha_f32_attention_xsimd_avx2_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_xsimd_avx2(const mha::Problem& p, const float* q, const float* k,
                                   const float* v, float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::run(p, q, k, v, o, lse, ws);
 }

@@ -2,6 +2,8 @@
 // xsimd::neon64, AArch64 Advanced SIMD: 4-float vectors, 32
 // registers, MR = 12. Compiled with the neon ISA's flags (cmake/isa.cmake).
 //
+// Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
+//
 // Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
 #include "xsimd_kernel.h"
 
@@ -17,5 +19,6 @@ std::size_t mha_f32_attention_xsimd_neon_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_xsimd_neon(const mha::Problem& p, const float* q, const float* k,
                                   const float* v, float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
   mha::xsimd_kernel::Attention<xsimd::neon64>::run(p, q, k, v, o, lse, ws);
 }

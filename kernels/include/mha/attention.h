@@ -21,6 +21,11 @@
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.
+// * Floating-point environment: every kernel, and merge, computes under the default one
+//   (round to nearest, no flush-to-zero or denormals-are-zero, exceptions masked) whatever
+//   the caller set, and gives the caller's back on return: FpEnvGuard below.
+// * Scratch memory that cannot be allocated throws AllocationError (a std::bad_alloc that
+//   says what was needed and how many bytes) before any output is written.
 #pragma once
 
 #include <algorithm>
@@ -28,10 +33,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#if !(defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__)))
+#include <cfenv>
+#endif
 
 namespace mha {
 
@@ -131,15 +141,137 @@ struct Workspace {
 /// How many bytes of workspace a kernel needs for p (which must pass check()). It depends on
 /// the sizes only (not on causal, scale, strides or data) and never decreases when q_len
 /// or kv_len grows. Compiled with its kernel's ISA flags: call it where the kernel may run.
+/// A size that does not fit size_t is SIZE_MAX (detail::bytes_of), which no allocation
+/// gives: the caller fails to allocate instead of lending a wrapped-around size.
 using WorkspaceSize = std::size_t (*)(const Problem& p);
 
 /// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k, v, o
 /// are non-null, outputs do not overlap inputs, ws holds at least the kernel's
 /// WorkspaceSize(p) bytes and overlaps no tensor. lse may be null (then it is not written).
 /// Every kernel file defines two functions, mha_f32_attention_<name> of this type and
-/// mha_f32_attention_<name>_workspace of type WorkspaceSize.
+/// mha_f32_attention_<name>_workspace of type WorkspaceSize. The kernel holds an FpEnvGuard
+/// (below) for the call, so its results do not depend on the caller's floating-point
+/// environment and the caller's control bits are as they were on return.
 using Kernel = void (*)(const Problem& p, const float* q, const float* k, const float* v, float* o,
                         float* lse, Workspace ws);
+
+/// Runs the scope it lives in under the default floating-point environment, and gives the
+/// caller's back when the scope ends. Frameworks may set flush-to-zero and
+/// denormals-are-zero for speed, or another rounding mode, and that environment is per
+/// thread: without this, a kernel's results (its exp's rounding steps, its denormal
+/// weights) would follow whatever the calling thread, or an OpenMP worker, was left in.
+///
+/// * Control (restored exactly): x86-64 MXCSR bits 6-15 (DAZ, the exception masks, the
+///   rounding mode, FTZ), which govern all SSE/AVX arithmetic, float and double (the x87
+///   unit, long double only, is not used and not touched); AArch64 the whole FPCR (FZ, DN,
+///   RMode, trap enables). Elsewhere only the rounding mode (std::fesetround).
+/// * Status flags are neither saved nor cleared: flags the caller had raised stay raised,
+///   and the guarded code may raise more, as any arithmetic does (FE_INEXACT nearly always;
+///   the others as the data and discarded vector lanes make them). With every exception
+///   masked inside, no trap the caller enabled fires in the guarded code.
+/// * Cost: one read of the control register on entry; when the caller's control bits are
+///   already the default (the usual case) nothing else, otherwise one write on entry and
+///   one on exit. So kernels hold one per call, never one per tile.
+///
+/// The reads and writes are compiler barriers for memory, so no load of an input moves
+/// above the switch and no store of an output below the restore.
+class FpEnvGuard {
+ public:
+  FpEnvGuard() noexcept : saved_(read()) {
+    if ((saved_ & ~kFlags) != kDefault) {
+      changed_ = true;
+      write(kDefault | (saved_ & kFlags));
+    }
+  }
+  ~FpEnvGuard() {
+    // The caller's control bits, and every flag raised before or inside the scope.
+    if (changed_) write((saved_ & ~kFlags) | (read() & kFlags));
+  }
+  FpEnvGuard(const FpEnvGuard&) = delete;
+  FpEnvGuard& operator=(const FpEnvGuard&) = delete;
+
+ private:
+#if defined(__GNUC__) && defined(__x86_64__)
+  using Word = std::uint32_t;
+  static constexpr Word kFlags = 0x3F;      // IE DE ZE OE UE PE: sticky status flags
+  static constexpr Word kDefault = 0x1F80;  // every exception masked, nearest, no FTZ/DAZ
+  static Word read() noexcept {
+    Word w;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(w) : : "memory");
+    return w;
+  }
+  static void write(Word w) noexcept { __asm__ __volatile__("ldmxcsr %0" : : "m"(w) : "memory"); }
+#elif defined(__GNUC__) && defined(__aarch64__)
+  using Word = std::uint64_t;
+  static constexpr Word kFlags = 0;    // the flags live in FPSR, which is left alone
+  static constexpr Word kDefault = 0;  // nearest, no flushing, IEEE NaNs, no traps
+  static Word read() noexcept {
+    Word w;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(w) : : "memory");
+    return w;
+  }
+  static void write(Word w) noexcept { __asm__ __volatile__("msr fpcr, %0" : : "r"(w) : "memory"); }
+#else
+  using Word = int;
+  static constexpr Word kFlags = 0;
+  static constexpr Word kDefault = FE_TONEAREST;
+  static Word read() noexcept { return std::fegetround(); }
+  static void write(Word w) noexcept { std::fesetround(w); }
+#endif
+  Word saved_;
+  bool changed_ = false;
+};
+
+/// Thrown when scratch memory cannot be allocated (the driver's workspace of
+/// mha::attention, a packed matrix, the layer's scratch and KV cache, merge's row), before
+/// any output is written. A std::bad_alloc, so that handlers of running out of memory catch
+/// it (pybind11 turns it into MemoryError), whose what() says which call needed what and
+/// how many bytes: "mha::attention: out of memory: cannot allocate 4398046512575 bytes for
+/// the driver's workspace".
+class AllocationError : public std::bad_alloc {
+ public:
+  AllocationError(const std::string& where, const std::string& what, std::size_t bytes)
+      : message_(where + ": out of memory: " +
+                 (bytes == std::numeric_limits<std::size_t>::max()
+                      ? what + " needs more bytes than a size_t counts"
+                      : "cannot allocate " + std::to_string(bytes) + " bytes for " + what)),
+        bytes_(bytes) {}
+  const char* what() const noexcept override { return message_.what(); }
+  /// The bytes asked for; SIZE_MAX when the size itself overflows.
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  std::runtime_error message_;  // its string is copied without allocating, as exceptions must be
+  std::size_t bytes_;
+};
+
+namespace detail {
+
+/// allocate(), with a failure to allocate (std::bad_alloc, or std::length_error from a
+/// container asked for more than it can hold) thrown as AllocationError(where, what, bytes).
+template <typename F>
+auto allocate_or_throw(const char* where, const char* what, std::size_t bytes, F&& allocate)
+    -> decltype(allocate()) {
+  try {
+    return allocate();
+  } catch (const AllocationError&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw AllocationError(where, what, bytes);
+  } catch (const std::length_error&) {
+    throw AllocationError(where, what, bytes);
+  }
+}
+
+/// n * size in bytes, or SIZE_MAX when that does not fit (or n < 0): a size no allocation
+/// gives, so the caller fails cleanly instead of wrapping around to a small buffer.
+inline std::size_t bytes_of(std::int64_t n, std::size_t size) {
+  const std::size_t max = std::numeric_limits<std::size_t>::max();
+  if (n < 0 || static_cast<std::uint64_t>(n) > max / size) return max;
+  return static_cast<std::size_t>(n) * size;
+}
+
+}  // namespace detail
 
 namespace detail {
 
@@ -304,6 +436,8 @@ namespace detail {
 // scratch: parts.count + p.head_dim floats.
 inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, float* lse,
                             float* scratch) {
+  // Its exp, log and division round as the tolerance assumes, whatever the caller set.
+  const FpEnvGuard default_fp_env;
   float* const weight = scratch;             // [parts.count]
   float* const acc = scratch + parts.count;  // one row of o: [head_dim]
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -363,7 +497,8 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 /// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
 /// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
 /// every element is read before it is written. Throws std::invalid_argument on bad input.
-/// Allocates parts.count + head_dim floats of scratch per call.
+/// Allocates parts.count + head_dim floats of scratch per call, AllocationError when it
+/// cannot (before writing anything).
 inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
   const std::string problem = check(p);
   if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
@@ -377,7 +512,10 @@ inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
       throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
     }
   }
-  std::vector<float> scratch(static_cast<std::size_t>(parts.count + p.head_dim));
+  const std::int64_t floats = parts.count + p.head_dim;
+  std::vector<float> scratch = detail::allocate_or_throw(
+      "mha::merge", "its scratch row", detail::bytes_of(floats, sizeof(float)),
+      [&] { return std::vector<float>(static_cast<std::size_t>(floats)); });
   detail::merge_unchecked(p, parts, o, lse, scratch.data());
 }
 

@@ -33,6 +33,9 @@
 //   n u / (1 - n u), u = 2^-24 (Higham, Accuracy and Stability, section 3.1; an FMA
 //   chain has one rounding per step, a multiply and add two, both within that bound).
 // * Arithmetic is fp32. No pointer needs any alignment.
+// * Every GEMM kernel runs under mha::FpEnvGuard (mha/attention.h, which mha/support.h
+//   includes): the default floating-point environment, whatever the caller's, which is given
+//   back on return. Packing only copies, so no environment changes a packed bit.
 #pragma once
 
 #include <cstddef>

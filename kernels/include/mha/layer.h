@@ -24,7 +24,8 @@
 //   the cache's length + n keys. Without causal masking every new query sees every cached key.
 // * A Layer is immutable after construction: calls on one Layer from several threads are
 //   safe as long as each uses its own KvCache. Scratch memory is per calling thread and only
-//   grows, as for mha::attention.
+//   grows, as for mha::attention; when it cannot, the call throws AllocationError before
+//   writing anything.
 #pragma once
 
 #include <mha/registry.h>
@@ -72,7 +73,8 @@ struct LayerWeights {
 class KvCache {
  public:
   /// Throws std::invalid_argument when the shape is invalid, batch or capacity is not
-  /// positive, or the size overflows.
+  /// positive, or the size overflows; AllocationError (mha/attention.h) when K and V cannot
+  /// be allocated.
   KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t capacity);
 
   /// Bytes of K and V for this shape: 2 batch Hkv capacity D 4. MHA, GQA and MQA of the
@@ -116,7 +118,8 @@ class Layer {
   /// Packs the weights for the GEMM kernel `gemm` and runs attention with the kernel
   /// `attention` (registry names; empty: best_gemm(), best_kernel()). Throws
   /// std::invalid_argument for an invalid shape, a null weight, or an unknown or
-  /// unavailable kernel.
+  /// unavailable kernel; AllocationError, naming the weight, when its packed copy cannot be
+  /// allocated.
   Layer(const LayerConfig& config, const LayerWeights& weights, const std::string& gemm = "",
         const std::string& attention = "");
 
@@ -128,7 +131,9 @@ class Layer {
   /// their K and V are appended to the cache, then their queries attend over every cached
   /// token (causal: each sees the positions up to its own). Throws std::invalid_argument,
   /// before writing anything, when the cache has another shape, holds fewer than n free
-  /// positions, n is not positive, a pointer is null, or y overlaps x.
+  /// positions, n is not positive, a pointer is null, or y overlaps x; and AllocationError,
+  /// also before writing anything (y, the cache's rows and length untouched), when its
+  /// scratch cannot grow.
   void prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bool causal = true,
                int threads = 0) const;
 

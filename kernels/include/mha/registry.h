@@ -98,7 +98,8 @@ std::string check_call(const Problem& p, const float* q, const float* k, const f
 /// calling thread alone: call_threads). lse may be null. The output does not depend on
 /// the thread count, bit for bit. The driver's workspace is kept per calling thread and
 /// grown when a problem needs more: a call no larger than an earlier one on the same thread
-/// allocates nothing.
+/// allocates nothing. When it cannot be grown, throws AllocationError (mha/attention.h)
+/// before writing anything; a later call that fits in memory works again.
 void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
                float* lse = nullptr, int threads = 0);
 
@@ -136,7 +137,7 @@ class PackedMatrix {
   /// Packs B, element (l, j) at b[l * row_stride + j * col_stride] (B[k][n]: {n, 1}; a
   /// PyTorch Linear weight W[n][k], B = W^T: {1, k}), for `kernel`. Throws
   /// std::invalid_argument when the kernel is not available, a size is not positive or the
-  /// packed size overflows.
+  /// packed size overflows, AllocationError when its memory cannot be had.
   PackedMatrix(const GemmInfo& kernel, std::int64_t k, std::int64_t n, const float* b,
                std::int64_t row_stride, std::int64_t col_stride);
   const GemmInfo* kernel() const { return kernel_; }
@@ -161,7 +162,8 @@ class PackedMatrix {
 /// parallel region the calling thread alone: call_threads): A (m x k, rows lda apart) is
 /// packed into a per-thread scratch that only grows, C is m x n with rows ldc apart, bias
 /// has n floats. Validates (std::invalid_argument: sizes, strides, null pointers, C
-/// overlapping A or bias, an empty B). The output does not depend on the thread count.
+/// overlapping A or bias, an empty B); AllocationError when the packed A cannot grow, before
+/// C is written. The output does not depend on the thread count.
 void gemm(std::int64_t m, const float* a, std::int64_t lda, const PackedMatrix& b,
           const float* bias, float* c, std::int64_t ldc, int threads = 0);
 
