@@ -1,14 +1,7 @@
 // The thread-parallel driver with every registry kernel as its worker: equivalence to the
 // reference (including split-KV decoding, merged by lse) and bit-identical output for any
-// thread count.
-#include <mha/parallel.h>
-#include <rapidcheck.h>
-
-#include <cstring>
-
-#include "buffers.h"
-#include "cases.h"
-#include "compare.h"
+// thread count (the properties are in driver_properties.cpp).
+#include "driver_properties.h"
 #include "kernel_test.h"
 #include "run.h"
 
@@ -17,64 +10,16 @@ namespace {
 
 class Driver : public KernelTest {};
 
-// Decode-like problems: few (batch x KV head) units and a long KV range, so the driver
-// splits the keys into chunks. Lengths cross the chunk size and tile edges; 2 kChunk - 1 is
-// the longest KV range that is not split.
-rc::Gen<Case> gen_split_case() {
-  return rc::gen::exec([] {
-    CaseOptions options;
-    options.shape.long_cases = false;
-    options.shape.max_len = 8;
-    options.shape.max_dim = 40;
-    options.shape.max_heads = 4;
-    options.shape.max_batch = 2;
-    Case c = *gen_case(options);
-    Problem& p = c.p;
-    const std::int64_t chunk = Plan::kChunk;
-    p.kv_len = *unsized(rc::gen::elementOf(std::vector<std::int64_t>{
-        2 * chunk - 1, 2 * chunk, 2 * chunk + 1, 3 * chunk + 17, 5 * chunk - 3}));
-    p.q_len = *unsized(rc::gen::inRange<std::int64_t>(1, 9));
-    if (c.storage == Storage::fused_qkv) c.storage = Storage::separate;
-    return c;
-  });
-}
-
-void check_driver(const KernelInfo& kernel, const Case& c, int threads) {
-  const Inputs in = make_inputs(c);
-  const Outputs out = run(call_driver(kernel, threads), kernel.name, in);
-  const Plan pl = plan(in.p);
-  const Tolerance tol = merged_tolerance(tolerance(in.p, in.q, in.k, in.v, kernel.exp_ulp),
-                                         static_cast<double>(pl.chunks));
-  expect_close(in.p, out, ref::attention(in.p, in.q, in.k, in.v), tol, 1.0,
-               std::string(kernel.name) + " through the driver (" + std::to_string(pl.chunks) +
-                   " KV chunks)");
-}
-
 TEST_P(Driver, MatchesReference) {
-  check_property([&] { check_driver(kernel(), *gen_case(), 2); });
+  check_property([&] { driver_matches_reference(kernel()); });
 }
 
 TEST_P(Driver, SplitKvDecodingMatchesReference) {
-  check_property([&] {
-    const Case c = *gen_split_case();
-    RC_TAG(plan(make_inputs(c).p).chunks > 1 ? "split" : "whole");
-    check_driver(kernel(), c, 2);
-  });
+  check_property([&] { split_kv_decoding_matches_reference(kernel()); });
 }
 
-// The decomposition depends only on the problem, so any thread count computes the same
-// operations in the same order.
 TEST_P(Driver, ThreadCountDoesNotChangeABit) {
-  check_property([&] {
-    const Case c = *unsized(rc::gen::arbitrary<bool>()) ? *gen_split_case() : *gen_case();
-    const Inputs in = make_inputs(c);
-    const Outputs one = run(call_driver(kernel(), 1), kernel().name, in);
-    const int threads = *unsized(rc::gen::inRange(2, 5));
-    const Outputs many = run(call_driver(kernel(), threads), kernel().name, in);
-    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
-    RC_ASSERT(std::memcmp(one.o.data(), many.o.data(), bytes(one.o)) == 0);
-    RC_ASSERT(std::memcmp(one.lse.data(), many.lse.data(), bytes(one.lse)) == 0);
-  });
+  check_property([&] { thread_count_does_not_change_a_bit(kernel()); });
 }
 
 MHA_INSTANTIATE_FOR_KERNELS(Driver);

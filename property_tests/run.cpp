@@ -1,8 +1,6 @@
 // The two factories of Calls, running a Call under guard checks, the equivalence property.
 #include "run.h"
 
-#include <mha/parallel.h>
-
 #include <algorithm>
 #include <cstddef>
 #include <string>
@@ -55,13 +53,13 @@ Call call_kernel(const KernelInfo& kernel) {
   };
 }
 
-Call call_driver(const KernelInfo& kernel, int threads) {
-  return [kernel, threads](const Problem& p, const float* q, const float* k, const float* v,
-                           float* o, float* lse) {
-    with_workspace(
-        p, parallel_workspace(kernel.workspace, p, threads), kernel.name, [&](Workspace ws) {
-          parallel_attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads, ws);
-        });
+Call call_driver(const KernelInfo& kernel, int threads, const ParallelDriver& driver) {
+  return [kernel, threads, driver](const Problem& p, const float* q, const float* k, const float* v,
+                                   float* o, float* lse) {
+    with_workspace(p, driver.workspace(kernel.workspace, p, threads), kernel.name,
+                   [&](Workspace ws) {
+                     driver.attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads, ws);
+                   });
   };
 }
 

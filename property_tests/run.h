@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <mha/attention.h>
+#include <mha/parallel.h>
 #include <mha/registry.h>
 #include <rapidcheck/gtest.h>
 
@@ -30,9 +31,17 @@ using Call = std::function<void(const Problem&, const float* q, const float* k, 
 /// buffer (a write outside it fails the property, a read before a write shows as NaN).
 Call call_kernel(const KernelInfo& kernel);
 
-/// `kernel` through the parallel driver (mha/parallel.h) on `threads` threads, its
-/// workspace guarded alike.
-Call call_driver(const KernelInfo& kernel, int threads);
+/// A parallel driver's two entry points: mha/parallel.h's, or those of a copy of
+/// kernels/parallel.cpp compiled under other names (the driver mutants).
+struct ParallelDriver {
+  decltype(&parallel_workspace) workspace = &parallel_workspace;
+  decltype(&parallel_attention) attention = &parallel_attention;
+};
+
+/// `kernel` through the parallel driver (mha/parallel.h, or `driver`) on `threads` threads,
+/// its workspace guarded alike.
+Call call_driver(const KernelInfo& kernel, int threads,
+                 const ParallelDriver& driver = ParallelDriver());
 
 /// Runs `call` on the inputs (with lse requested) and asserts (RC_ASSERT) that nothing
 /// outside o's and lse's elements was written, inputs included; failures name it `name`.
