@@ -57,6 +57,12 @@ Plan plan(const Problem& p);
 /// integer; anything else throws std::invalid_argument), else the number of cores.
 int default_threads();
 
+namespace detail {
+/// The thread count the text `value` (MHA_NUM_THREADS's value) sets: 0 when null or empty
+/// (unset), else as default_threads() says.
+int parse_num_threads(const char* value);
+}  // namespace detail
+
 /// Bytes of workspace parallel_attention needs to run a kernel whose own workspace is
 /// `kernel_workspace` over p on `threads` threads (0: default_threads()): one kernel
 /// workspace per thread (for the largest unit), the schedule, and for split-KV the partial

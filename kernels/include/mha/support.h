@@ -166,20 +166,27 @@ inline std::int64_t count_cpus(const std::string& list) {
   return count > 0 ? count : 1;
 }
 
+/// The caches MHA_CACHES's value `value` ("L1D,L2", e.g. "32K,512K") sets; throws
+/// std::invalid_argument for anything else (null reads as empty).
+inline Caches parse_caches(const char* value) {
+  if (value == nullptr) value = "";
+  const char* comma = std::strchr(value, ',');
+  const std::int64_t l1d =
+      comma != nullptr ? parse_cache_size(std::string(value, comma).c_str()) : -1;
+  const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
+  if (l1d < (4 << 10) || l2 < l1d) {
+    throw std::invalid_argument(std::string("MHA_CACHES=") + value +
+                                " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, "
+                                "L2 at least L1D, each at most 1024M)");
+  }
+  return {l1d, l2};
+}
+
 /// MHA_CACHES="L1D,L2" (e.g. "32K,512K") if set; else Linux's sysfs for CPU 0 (each
 /// cache's size over the CPUs sharing it); else kFallbackCaches, per size.
 inline Caches read_caches() {
   if (const char* env = std::getenv("MHA_CACHES"); env != nullptr && *env != '\0') {
-    const char* comma = std::strchr(env, ',');
-    const std::int64_t l1d =
-        comma != nullptr ? parse_cache_size(std::string(env, comma).c_str()) : -1;
-    const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
-    if (l1d < (4 << 10) || l2 < l1d) {
-      throw std::invalid_argument(std::string("MHA_CACHES=") + env +
-                                  " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, "
-                                  "L2 at least L1D, each at most 1024M)");
-    }
-    return {l1d, l2};
+    return parse_caches(env);
   }
   Caches c{0, 0};
   for (int index = 0; index < 8; ++index) {
