@@ -12,6 +12,9 @@
 #if defined(__aarch64__)
 #include <sys/auxv.h>  // getauxval, AT_HWCAP, HWCAP_SVE, HWCAP2_SVE2
 #endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>  // __get_cpuid_count
+#endif
 
 // An ISA's detection is compiled only on its own architecture; elsewhere it is false.
 #define MHA_DETECT_any(detect) (detect)
@@ -28,6 +31,21 @@
 
 namespace mha {
 namespace {
+
+#if defined(__x86_64__) || defined(_M_X64)
+// CPUID leaf 7's VAES (subleaf 0, ECX bit 9) and AVX-VNNI (subleaf 1, EAX bit 4), which
+// GCC's __builtin_cpu_supports names and clang 14's does not (the library would not compile
+// with it). Like GCC's, they count only where the OS saves the AVX registers.
+bool x86_leaf7(unsigned subleaf, bool in_ecx, unsigned bit) {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__builtin_cpu_supports("avx") || !__get_cpuid_count(7, subleaf, &eax, &ebx, &ecx, &edx)) {
+    return false;
+  }
+  return (((in_ecx ? ecx : eax) >> bit) & 1u) != 0;
+}
+bool x86_vaes() { return x86_leaf7(0, true, 9); }
+bool x86_avxvnni() { return x86_leaf7(1, false, 4); }
+#endif
 
 struct IsaInfo {
   const char* name;
