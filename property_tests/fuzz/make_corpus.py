@@ -245,6 +245,10 @@ def parse_seeds():
         s[f"cache-size-{i}"] = bytes([3]) + text.encode()
     for i, text in enumerate(["0-3,8-11", "0,64", "3-1", "0-", "0;1"]):
         s[f"cpu-list-{i}"] = bytes([4]) + text.encode()
+    # Regressions: CPU numbers whose count overflowed int64_t, or that no system has.
+    s["cpu-list-overflow"] = bytes([4]) + b"0-99999999999999999999"
+    s["cpu-list-overflow-sum"] = bytes([4]) + b"0-4611686018427387904,0-4611686018427387904"
+    s["cpu-list-huge-number"] = bytes([4]) + b"0,6444444444444"
     for name in ["naive", "blocked", "xsimd-avx2", "xsimd-avx512", "highway-sse4",
                  "highway-avx2", "highway-avx3", "highway-avx3-dl", "avx2", "avx512", "neon",
                  "portable", "fastest", ""]:

@@ -146,7 +146,10 @@ inline std::string read_line(const std::string& path) {
 }
 
 /// How many CPUs a sysfs shared_cpu_list ("0", "0-1", "0,64", "0-3,8-11") names; 1 if unreadable.
+/// CPU numbers outside [0, 2^22] make a list unreadable: no system has them (Linux's NR_CPUS
+/// is at most 8192), and with them the count could overflow.
 inline std::int64_t count_cpus(const std::string& list) {
+  constexpr long kMaxCpu = 1L << 22;
   std::int64_t count = 0;
   const char* s = list.c_str();
   while (*s != '\0') {
@@ -159,6 +162,7 @@ inline std::int64_t count_cpus(const std::string& list) {
       last = std::strtol(s, &end, 10);
       if (end == s || last < first) return 1;
     }
+    if (first < 0 || last > kMaxCpu) return 1;
     count += last - first + 1;
     s = *end == ',' ? end + 1 : end;
     if (*end != ',' && *end != '\0') return 1;
