@@ -193,6 +193,12 @@ def attention_seeds():
     s["merge-null-arrays"] = merged + merge(3, flags=8)
     s["merge-null-part-lse"] = merged + merge(5, flags=4, null_part=1)
     s["merge-null-part-o"] = merged + merge(5, flags=4 | 16, null_part=2)
+    # Regressions: merge read outside parts whose strides are negative or overflow.
+    s["merge-parts-stride-negative"] = merged + merge(4, any_strides(-8, 10, 5))
+    s["merge-parts-lse-overflow"] = merged + merge(4, TOKEN, lse_any(INT64_MAX, 2))
+    s["merge-parts-found-by-fuzzing"] = bytes.fromhex(
+        "021111181818181804021001000000000001010101000000020000000000000026"
+        "08bdbdbdbdbdda03")
 
     # check() rejections, one rule each.
     small = dict(b=1, lq=2, lk=3, h=2, hkv=1, d=4)
