@@ -18,7 +18,8 @@
 //   addresses  five fake addresses (q, k, v, o, lse) for check_call, never dereferenced
 //   memory     1 byte: which buffers share memory, or which output overlaps what
 //   values     1 byte mode, 1 byte exponent, 8 bytes seed
-//   calls      1 byte: which calls; 1 byte: kernel; 1 byte: threads and workspace offset
+//   calls      1 byte: which calls (and whether for every kernel); 1 byte: kernel; 1 byte:
+//              threads and workspace offset
 //   merge      1 byte count; the parts' o strides and lse strides; 1 byte flags
 #include <mha/attention.h>
 #include <mha/parallel.h>
@@ -924,34 +925,40 @@ void run_calls(Bytes& in, const Problem& p) {
     run("mha::attention on " + std::to_string(threads) + " threads", best.exp_ulp, true,
         [&] { attention(p, q, k, v, o, lse, threads); });
   }
-  if ((calls & 2) != 0) {
-    const std::string what = std::string("mha::attention(\"") + named.name + "\")";
-    if (available(named)) {
-      run(what, named.exp_ulp, true, [&] { attention(named.name, p, q, k, v, o, lse, threads); });
-    } else {
-      expect_rejected([&] { attention(named.name, p, q, k, v, o, lse, threads); },
-                      std::string("kernel '") + named.name + "' needs " + isa_name(named.isa) +
-                          ", which this CPU lacks or MHA_MAX_ISA excludes",
-                      what);
-    }
-  }
-  // The driver and the kernel alone in workspaces of exactly the size they ask for, placed
-  // at a float-aligned offset (all that the contract promises).
+  // The named kernel, or with bit 6 every kernel of the registry: by name, through the
+  // driver and alone, the last two in workspaces of exactly the size they ask for, placed at
+  // a float-aligned offset (all that the contract promises).
   const std::size_t ws_offset = 4 * ((thread_byte >> 1) & 15);
-  if ((calls & 4) != 0 && available(named)) {
-    const std::size_t bytes = parallel_workspace(named.workspace, p, threads);
-    std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
-    run(std::string("parallel_attention of ") + named.name, named.exp_ulp, true, [&] {
-      parallel_attention(named.fn, named.workspace, p, q, k, v, o, lse, threads,
-                         {ws.get() + ws_offset, bytes});
-    });
-  }
-  if ((calls & 8) != 0 && available(named)) {
-    const std::size_t bytes = named.workspace(p);
-    std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
-    run(std::string("kernel ") + named.name + " alone", named.exp_ulp, false, [&] {
-      named.fn(p, q, k, v, o, lse, {ws.get() + ws_offset, bytes});
-    });
+  for (const KernelInfo& kernel : all_kernels()) {
+    if ((calls & 64) == 0 && &kernel != &named) continue;
+    if ((calls & 2) != 0) {
+      const std::string what = std::string("mha::attention(\"") + kernel.name + "\")";
+      if (available(kernel)) {
+        run(what, kernel.exp_ulp, true,
+            [&] { attention(kernel.name, p, q, k, v, o, lse, threads); });
+      } else {
+        expect_rejected([&] { attention(kernel.name, p, q, k, v, o, lse, threads); },
+                        std::string("kernel '") + kernel.name + "' needs " + isa_name(kernel.isa) +
+                            ", which this CPU lacks or MHA_MAX_ISA excludes",
+                        what);
+      }
+    }
+    if (!available(kernel)) continue;
+    if ((calls & 4) != 0) {
+      const std::size_t bytes = parallel_workspace(kernel.workspace, p, threads);
+      std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
+      run(std::string("parallel_attention of ") + kernel.name, kernel.exp_ulp, true, [&] {
+        parallel_attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads,
+                           {ws.get() + ws_offset, bytes});
+      });
+    }
+    if ((calls & 8) != 0) {
+      const std::size_t bytes = kernel.workspace(p);
+      std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
+      run(std::string("kernel ") + kernel.name + " alone", kernel.exp_ulp, false, [&] {
+        kernel.fn(p, q, k, v, o, lse, {ws.get() + ws_offset, bytes});
+      });
+    }
   }
   if ((calls & 16) != 0) {  // the thread count does not change a bit
     run("mha::attention on 1 thread", best.exp_ulp, true,

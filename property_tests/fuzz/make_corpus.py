@@ -119,7 +119,7 @@ def values(mode=0, exponent=0, seed=1):
 
 
 # Calls: bit 0 mha::attention, 1 by name, 2 the driver, 3 the kernel alone, 4 threads 1 vs 2,
-# 5 merge. Kernel: an index into all_kernels() (x86-64: naive, blocked, xsimd-avx2,
+# 5 merge, 6 bits 1-3 for every kernel. Kernel: an index into all_kernels() (x86-64: naive, blocked, xsimd-avx2,
 # xsimd-avx512, highway-sse4, highway-avx2, highway-avx3, highway-avx3-dl, avx2, avx512).
 # Threads byte: bit 0 two threads, bits 1-4 the workspace offset in floats.
 def calls(bits, kernel=0, threads=0):
@@ -127,6 +127,7 @@ def calls(bits, kernel=0, threads=0):
 
 
 ALL_CALLS = 1 | 2 | 4 | 8 | 16
+EVERY_KERNEL = 2 | 4 | 8 | 64
 
 
 # Merge: count byte (0: 0, 1: -1, 2: INT_MIN, 3-6: 1-4 parts), the parts' o strides and lse
@@ -171,6 +172,16 @@ def attention_seeds():
                    values(seed=14) + calls(ALL_CALLS, 7))
     s["d-129-tails"] = (problem(1, 33, 60, 2, 2, 129, causal=True) + run + values(seed=15) +
                         calls(ALL_CALLS, 9, 7))
+    # The stride of an axis with one index (one batch, head, key or query) addresses nothing,
+    # so check() admits any value: every kernel, decoding and tiled (regressions: kernels
+    # formed pointers one row past the last, whose offsets overflowed).
+    for name, lq in (("decode", 1), ("tiled", 40)):
+        huge = INT64_MAX
+        q_strides = any_strides(huge, huge if lq == 1 else 16, huge)
+        s[f"unused-strides-huge-{name}"] = (
+            problem(1, lq, 1, 1, 1, 16, q=q_strides, k=any_strides(huge, huge, huge),
+                    v=any_strides(huge, huge, huge), o=q_strides, lse=lse_any(huge, huge)) +
+            run + values(seed=23) + calls(1 | EVERY_KERNEL, 0, 1))
     # Values: large logits, NaN/Inf, subnormal V (outside the tolerance model), few values.
     s["large-logits"] = (problem(1, 6, 40, 2, 2, 8, scale=scale_sixteenths(-8)) + run +
                          values(1, 6, seed=16) + calls(ALL_CALLS, 9))

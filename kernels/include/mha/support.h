@@ -298,8 +298,9 @@ class RowPrefetch {
       __builtin_prefetch(row_ + std::min(16 * line_, last_), 0, 2);
       if (++line_ == lines_) {
         line_ = 0;
-        row_ += seq_;
-        --rows_left_;
+        // Not past the last row: its offset may overflow (check() bounds a stride only by
+        // the rows that use it).
+        if (--rows_left_ > 0) row_ += seq_;
       }
     }
   }
