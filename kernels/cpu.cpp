@@ -92,17 +92,22 @@ bool cpu_supports(Isa isa) {
   return false;
 }
 
-int max_isa_rank() {
-  const char* env = std::getenv("MHA_MAX_ISA");
-  if (env == nullptr || *env == '\0') return highest_rank();
+namespace detail {
+
+int parse_max_isa(const char* value) {
+  if (value == nullptr || *value == '\0') return highest_rank();
   // No allocation unless the value is wrong: mha::attention asks on every call.
   for (const IsaInfo& isa : kIsas) {
-    if (std::strcmp(env, isa.name) == 0) return isa.rank;
+    if (std::strcmp(value, isa.name) == 0) return isa.rank;
   }
   std::string accepted;
   for (const IsaInfo& isa : kIsas)
     accepted += (accepted.empty() ? "" : ", ") + std::string(isa.name);
-  throw std::invalid_argument("MHA_MAX_ISA=" + std::string(env) + " is not one of " + accepted);
+  throw std::invalid_argument("MHA_MAX_ISA=" + std::string(value) + " is not one of " + accepted);
 }
+
+}  // namespace detail
+
+int max_isa_rank() { return detail::parse_max_isa(std::getenv("MHA_MAX_ISA")); }
 
 }  // namespace mha

@@ -166,16 +166,24 @@ int call_threads(int threads) {
   return threads;
 }
 
-int default_threads() {
-  if (const char* env = std::getenv("MHA_NUM_THREADS"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long n = std::strtol(env, &end, 10);
-    if (*end != '\0' || n < 1 || n > 4096) {
-      throw std::invalid_argument("MHA_NUM_THREADS=" + std::string(env) +
-                                  " is not a positive integer (1..4096)");
-    }
-    return static_cast<int>(n);
+namespace detail {
+
+int parse_num_threads(const char* value) {
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(value, &end, 10);
+  if (*end != '\0' || n < 1 || n > 4096) {
+    throw std::invalid_argument("MHA_NUM_THREADS=" + std::string(value) +
+                                " is not a positive integer (1..4096)");
   }
+  return static_cast<int>(n);
+}
+
+}  // namespace detail
+
+int default_threads() {
+  const int n = detail::parse_num_threads(std::getenv("MHA_NUM_THREADS"));
+  if (n > 0) return n;
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 

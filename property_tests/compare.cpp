@@ -1,4 +1,4 @@
-// Row-by-row comparison of outputs within the tolerance, and the split-KV merged tolerance.
+// Row-by-row comparison of outputs within the tolerance.
 #include "compare.h"
 
 #include <cmath>
@@ -77,15 +77,6 @@ void expect_close(const Problem& p, const Outputs& out, const Problem& p2, const
       [&](auto b, auto h, auto i) { return out2.lse_at(p2, b, h, i - row0); },
       [&](auto b, auto h, auto i, auto d) { return out.o_at(p, b, h, i, d); },
       [&](auto b, auto h, auto i) { return out.lse_at(p, b, h, i); });
-}
-
-Tolerance merged_tolerance(Tolerance tol, double parts) {
-  for (std::size_t r = 0; r < tol.o.size(); ++r) {
-    const double eta = std::exp(2.0 * tol.lse[r]) * (1.0 + 2.0 * std::ldexp(1.0, -24)) - 1.0;
-    tol.o[r] += (ref::weight_shift(eta) + accumulation_factor(parts)) * tol.v_max[r];
-    tol.lse[r] += std::log1p(eta) + accumulation_factor(parts);
-  }
-  return tol;
 }
 
 }  // namespace mha::test

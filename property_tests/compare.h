@@ -14,6 +14,7 @@
 namespace mha::test {
 
 using ref::accumulation_factor;
+using ref::merged_tolerance;
 using ref::Tolerance;
 using ref::tolerance;
 
@@ -28,11 +29,5 @@ void expect_close(const Problem& p, const Outputs& out, const ref::Result& expec
 /// the exact result). `tol` is indexed like p.
 void expect_close(const Problem& p, const Outputs& out, const Problem& p2, const Outputs& out2,
                   const Tolerance& tol, const std::string& what, std::int64_t row0 = 0);
-
-/// The tolerance of a result merged from `parts` partial results (split-KV): each part is
-/// within the whole problem's tolerance (fewer keys, same maxima); merging perturbs the
-/// part weights exp(lse_c - m) by at most twice the lse tolerance and adds the
-/// accumulation error of `parts` terms.
-Tolerance merged_tolerance(Tolerance tol, double parts);
 
 }  // namespace mha::test

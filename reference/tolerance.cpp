@@ -73,4 +73,13 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
   return t;
 }
 
+Tolerance merged_tolerance(Tolerance tol, double parts) {
+  for (std::size_t r = 0; r < tol.o.size(); ++r) {
+    const double eta = std::exp(2.0 * tol.lse[r]) * (1.0 + 2.0 * kU) - 1.0;
+    tol.o[r] += (weight_shift(eta) + accumulation_factor(parts)) * tol.v_max[r];
+    tol.lse[r] += std::log1p(eta) + accumulation_factor(parts);
+  }
+  return tol;
+}
+
 }  // namespace mha::ref

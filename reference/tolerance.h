@@ -86,4 +86,10 @@ double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, do
 Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
                     double exp_ulp, std::int64_t row_begin = 0, std::int64_t row_end = -1);
 
+/// The tolerance of a result merged from `parts` partial results (split-KV): each part is
+/// within the whole problem's tolerance (fewer keys, same maxima); merging perturbs the
+/// part weights exp(lse_c - m) by at most twice the lse tolerance and adds the
+/// accumulation error of `parts` terms.
+Tolerance merged_tolerance(Tolerance tol, double parts);
+
 }  // namespace mha::ref

@@ -14,7 +14,7 @@ PKGS=(
   python3-scipy python3-venv                      # compare.py; the reports' and peers' venv
   qemu-user                                       # emulated old x86-64 CPUs and aarch64
   clang-format                                    # style check
-  clang libclang-rt-dev libomp-dev                # ThreadSanitizer: clang, libomp, Archer
+  clang libclang-rt-14-dev libomp-dev             # fuzz targets (libFuzzer), ThreadSanitizer (libomp, Archer)
 )
 
 missing=()

@@ -2,11 +2,12 @@
 # Every test of the project, from a fresh Debian 12 machine: installs what it needs, builds,
 # and runs the suite natively, under AddressSanitizer + UndefinedBehaviorSanitizer, on
 # emulated older x86-64 CPUs (Haswell: AVX2, no AVX-512; qemu64: baseline x86-64) and
-# cross-built for aarch64 under qemu, the concurrency tests under ThreadSanitizer, and the
-# Python tests of the reports and the peers. Ends with a table of the parts (time, ok or the step
-# that failed and why), the kernels this CPU could not run, and a closing count.
+# cross-built for aarch64 under qemu, the concurrency tests under ThreadSanitizer, the fuzz
+# targets under libFuzzer, and the Python tests of the reports and the peers. Ends with a
+# table of the parts (time, ok or the step that failed and why), the kernels this CPU could
+# not run, and a closing count.
 #
-# Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64 tsan
+# Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64 tsan fuzz
 #                                            python selftest
 #                                     (default: all of them, in that order)
 # Environment:
@@ -25,7 +26,7 @@ cd "$REPO"
 JOBS="${JOBS:-$(nproc)}"
 BUILD_ROOT="${MHA_BUILD_ROOT:-$REPO}"
 read -r -a EXTRA_CMAKE_ARGS <<<"${CMAKE_ARGS:-}"
-ALL_PARTS=(format native sanitize emulated aarch64 tsan python selftest)
+ALL_PARTS=(format native sanitize emulated aarch64 tsan fuzz python selftest)
 PARTS=("$@")
 ((${#PARTS[@]})) || PARTS=("${ALL_PARTS[@]}")
 for p in "${PARTS[@]}"; do
@@ -178,6 +179,20 @@ run_tsan() {
     "${EXTRA_CMAKE_ARGS[@]}" &&
     step build cmake --build "$dir" -j "$JOBS" --target mha_concurrency_test mha_tsan_driver_tests &&
     step ctest ctest --test-dir "$dir" -L concurrency -j "$JOBS" --output-on-failure
+}
+
+# The fuzz targets under clang's libFuzzer with AddressSanitizer + UndefinedBehaviorSanitizer
+# (property_tests/fuzz/): a build of their own, then a minute per target (CMake's
+# MHA_FUZZ_SECONDS), the targets side by side, each from a temporary copy of its committed
+# corpus. Needs no network.
+run_fuzz() {
+  local rc=0
+  CC=clang CXX=clang++ configure_build "$BUILD_ROOT/build-fuzz" -DMHA_FUZZ=ON &&
+    step ctest ctest --test-dir "$BUILD_ROOT/build-fuzz" -L fuzz -j "$JOBS" --output-on-failure ||
+    rc=$?
+  # What each run did (run.sh's line): inputs, coverage, corpus, crashes.
+  grep -h ' inputs in ' "$BUILD_ROOT/build-fuzz/Testing/Temporary/LastTest.log" 2>/dev/null
+  return "$rc"
 }
 
 # The reports' and the peers' tests. The environment has the reports' packages (small); the

@@ -181,9 +181,12 @@ class Prefetch {
       _mm_prefetch(reinterpret_cast<const char*>(v_ + line_ * 16), _MM_HINT_T1);
       if (++line_ == row_lines_) {
         line_ = 0;
-        ++key_;
-        k_ += k_seq_;
-        v_ += v_seq_;
+        // Not past the last key: its offset may overflow (check() bounds a stride only by
+        // the keys that use it).
+        if (++key_ < keys_) {
+          k_ += k_seq_;
+          v_ += v_seq_;
+        }
       }
     }
   }
@@ -610,10 +613,13 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
 
     for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
       const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
-      Prefetch next(k_head + (c0 + decode_keys) * p.k.seq, p.k.seq,
-                    v_head + (c0 + decode_keys) * p.v.seq, p.v.seq,
-                    std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys), dim,
-                    steps);
+      const std::int64_t next_keys =
+          std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys);
+      // The next tile's rows only when it has keys: past the last key the offset may
+      // overflow, since check() bounds a stride only by the keys that use it.
+      Prefetch next(next_keys > 0 ? k_head + (c0 + decode_keys) * p.k.seq : k_head, p.k.seq,
+                    next_keys > 0 ? v_head + (c0 + decode_keys) * p.v.seq : v_head, p.v.seq,
+                    next_keys, dim, steps);
       const float* k_tile = k_head + c0 * k_seq;
       const float* v_tile = v_head + c0 * v_seq;
       for (std::int64_t t = 0; t < rows; ++t) {
@@ -906,14 +912,17 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
     // it (token-major: 4 KiB) put 3 or more of 12 rows into one L1 set, and stride 0
     // (shared rows) is copied too.
     const auto copied = [&](std::int64_t seq) {
-      return !small || seq * std::int64_t{sizeof(float)} % 1024 == 0;
+      return !small || seq % (1024 / std::int64_t{sizeof(float)}) == 0;  // no overflow
     };
     const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
 
     for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
       const std::int64_t tile_keys = std::min(bc, block_keys - c0);
-      Prefetch next(k_head + (c0 + bc) * p.k.seq, p.k.seq, v_head + (c0 + bc) * p.v.seq, p.v.seq,
-                    std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc), dim, steps);
+      const std::int64_t next_keys = std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc);
+      // As in decode_rows: the next tile's rows only when it has keys.
+      Prefetch next(next_keys > 0 ? k_head + (c0 + bc) * p.k.seq : k_head, p.k.seq,
+                    next_keys > 0 ? v_head + (c0 + bc) * p.v.seq : v_head, p.v.seq, next_keys, dim,
+                    steps);
       // The microkernels' K and V rows: the tensor's own, or their copy in `buffer`.
       const auto tile_rows = [&](const float* head, std::int64_t seq, bool copy, float* buffer) {
         if (!copy) return Rows{head + c0 * seq, seq};

@@ -147,8 +147,12 @@ inline void PackK(const float* k, std::int64_t k_seq, std::int64_t keys, std::in
   const std::int64_t padded = round_up(keys, panel);
   for (std::int64_t j = 0; j < padded; ++j) {
     float* column = kp + (j / panel) * dim * panel + j % panel;
+    if (j >= keys) {  // no row: its offset may overflow (a stride is bounded by its rows)
+      for (std::int64_t d = 0; d < dim; ++d) column[d * panel] = 0.0f;
+      continue;
+    }
     const float* row = k + j * k_seq;
-    for (std::int64_t d = 0; d < dim; ++d) column[d * panel] = j < keys ? row[d] : 0.0f;
+    for (std::int64_t d = 0; d < dim; ++d) column[d * panel] = row[d];
   }
 }
 

@@ -495,10 +495,12 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 ///   o = sum_c w_c o_c / sum_c w_c,   lse = m + log(sum_c w_c).
 /// A part whose lse is -inf saw no key and contributes nothing; when every part is -inf the
 /// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
-/// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place), since
-/// every element is read before it is written. Throws std::invalid_argument on bad input.
-/// Allocates parts.count + head_dim floats of scratch per call, AllocationError when it
-/// cannot (before writing anything).
+/// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place) when
+/// parts.o_strides equals p.o, since every row is read before it is written. Throws
+/// std::invalid_argument on bad input: a problem check() rejects, null pointers, or part
+/// strides that are negative or address more than int64_t bytes. Allocates parts.count +
+/// head_dim floats of scratch per call, AllocationError when it cannot (before writing
+/// anything).
 inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
   const std::string problem = check(p);
   if (!problem.empty()) throw std::invalid_argument("mha::merge: " + problem);
@@ -511,6 +513,25 @@ inline void merge(const Problem& p, const Parts& parts, float* o, float* lse) {
     if (parts.o[c] == nullptr || parts.lse[c] == nullptr) {
       throw std::invalid_argument("mha::merge: part " + std::to_string(c) + " is null");
     }
+  }
+  // The parts' strides as check() takes an input's: any other would lead the reads outside
+  // the parts.
+  const std::int64_t o_sizes[4] = {p.batch, p.q_len, p.q_heads, p.head_dim};
+  const std::int64_t o_strides[4] = {parts.o_strides.batch, parts.o_strides.seq,
+                                     parts.o_strides.head, 1};
+  const std::int64_t lse_sizes[3] = {p.batch, p.q_heads, p.q_len};
+  const std::int64_t lse_strides[3] = {parts.lse_strides.batch, parts.lse_strides.head, 1};
+  std::int64_t highest = 0;
+  if (*std::min_element(o_strides, o_strides + 3) < 0 ||
+      *std::min_element(lse_strides, lse_strides + 2) < 0 ||
+      !detail::highest_offset(o_sizes, o_strides, 4, &highest) ||
+      !detail::highest_offset(lse_sizes, lse_strides, 3, &highest)) {
+    using detail::str;
+    throw std::invalid_argument("mha::merge: parts.o_strides {batch " + str(o_strides[0]) +
+                                ", seq " + str(o_strides[1]) + ", head " + str(o_strides[2]) +
+                                "} and parts.lse_strides {batch " + str(lse_strides[0]) +
+                                ", head " + str(lse_strides[1]) +
+                                "} must be >= 0 with a highest offset that fits int64_t bytes");
   }
   const std::int64_t floats = parts.count + p.head_dim;
   std::vector<float> scratch = detail::allocate_or_throw(

@@ -73,6 +73,12 @@ int default_threads();
 /// `threads` (or set MHA_NUM_THREADS) to fit them to the cores.
 int call_threads(int threads);
 
+namespace detail {
+/// The thread count the text `value` (MHA_NUM_THREADS's value) sets: 0 when null or empty
+/// (unset), else as default_threads() says.
+int parse_num_threads(const char* value);
+}  // namespace detail
+
 /// Bytes of workspace parallel_attention needs to run a kernel whose own workspace is
 /// `kernel_workspace` over p on `threads` threads (0: default_threads()): one kernel
 /// workspace per thread (for the largest unit), the schedule, and for split-KV the partial

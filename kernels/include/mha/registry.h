@@ -65,6 +65,11 @@ bool cpu_supports(Isa isa);
 /// std::invalid_argument naming the accepted values when it holds anything else.
 int max_isa_rank();
 
+namespace detail {
+/// max_isa_rank() of the text `value` (MHA_MAX_ISA's value; null or empty: unset).
+int parse_max_isa(const char* value);
+}  // namespace detail
+
 /// One registry entry: see kernels/registry.inc.
 struct KernelInfo {
   const char* name;

@@ -146,7 +146,10 @@ inline std::string read_line(const std::string& path) {
 }
 
 /// How many CPUs a sysfs shared_cpu_list ("0", "0-1", "0,64", "0-3,8-11") names; 1 if unreadable.
+/// CPU numbers outside [0, 2^22] make a list unreadable: no system has them (Linux's NR_CPUS
+/// is at most 8192), and with them the count could overflow.
 inline std::int64_t count_cpus(const std::string& list) {
+  constexpr long kMaxCpu = 1L << 22;
   std::int64_t count = 0;
   const char* s = list.c_str();
   while (*s != '\0') {
@@ -159,6 +162,7 @@ inline std::int64_t count_cpus(const std::string& list) {
       last = std::strtol(s, &end, 10);
       if (end == s || last < first) return 1;
     }
+    if (first < 0 || last > kMaxCpu) return 1;
     count += last - first + 1;
     s = *end == ',' ? end + 1 : end;
     if (*end != ',' && *end != '\0') return 1;
@@ -166,20 +170,27 @@ inline std::int64_t count_cpus(const std::string& list) {
   return count > 0 ? count : 1;
 }
 
+/// The caches MHA_CACHES's value `value` ("L1D,L2", e.g. "32K,512K") sets; throws
+/// std::invalid_argument for anything else (null reads as empty).
+inline Caches parse_caches(const char* value) {
+  if (value == nullptr) value = "";
+  const char* comma = std::strchr(value, ',');
+  const std::int64_t l1d =
+      comma != nullptr ? parse_cache_size(std::string(value, comma).c_str()) : -1;
+  const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
+  if (l1d < (4 << 10) || l2 < l1d) {
+    throw std::invalid_argument(std::string("MHA_CACHES=") + value +
+                                " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, "
+                                "L2 at least L1D, each at most 1024M)");
+  }
+  return {l1d, l2};
+}
+
 /// MHA_CACHES="L1D,L2" (e.g. "32K,512K") if set; else Linux's sysfs for CPU 0 (each
 /// cache's size over the CPUs sharing it); else kFallbackCaches, per size.
 inline Caches read_caches() {
   if (const char* env = std::getenv("MHA_CACHES"); env != nullptr && *env != '\0') {
-    const char* comma = std::strchr(env, ',');
-    const std::int64_t l1d =
-        comma != nullptr ? parse_cache_size(std::string(env, comma).c_str()) : -1;
-    const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
-    if (l1d < (4 << 10) || l2 < l1d) {
-      throw std::invalid_argument(std::string("MHA_CACHES=") + env +
-                                  " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, "
-                                  "L2 at least L1D, each at most 1024M)");
-    }
-    return {l1d, l2};
+    return parse_caches(env);
   }
   Caches c{0, 0};
   for (int index = 0; index < 8; ++index) {
@@ -287,8 +298,9 @@ class RowPrefetch {
       __builtin_prefetch(row_ + std::min(16 * line_, last_), 0, 2);
       if (++line_ == lines_) {
         line_ = 0;
-        row_ += seq_;
-        --rows_left_;
+        // Not past the last row: its offset may overflow (check() bounds a stride only by
+        // the rows that use it).
+        if (--rows_left_ > 0) row_ += seq_;
       }
     }
   }

@@ -1,0 +1,996 @@
+// Fuzz target: any bytes -> one attention problem (every field and stride of mha::Problem),
+// its pointers, its values and calls of the public API: mha::check, check_call,
+// mha::attention (best kernel and by name), the parallel driver, one kernel alone, and
+// mha::merge. Every input must either be rejected with std::invalid_argument and the
+// documented message, before anything is read or written, or be computed with
+//  * no access out of bounds: each buffer is allocated at exactly the size check() admits,
+//    so AddressSanitizer sees a byte past it, and the floats inside a buffer that are no
+//    element of its tensor (stride padding) hold a NaN pattern that must not change (a
+//    write) and that a read would carry into the output;
+//  * no undefined behaviour and no leak (the sanitizers);
+//  * inputs unchanged, and outputs within the shared tolerance of the double-precision
+//    reference (reference/tolerance.h), compared as property_tests/compare.cpp compares.
+// Anything else aborts, which libFuzzer records as a crash.
+//
+// The input, in order (reads past its end give zeros; make_corpus.py writes seeds):
+//   problem    six sizes (batch, q_len, kv_len, q_heads, kv_heads, head_dim), each a field();
+//              1 byte causal; scale(); the strides of q, k, v, o (strides()); lse_strides()
+//   addresses  five fake addresses (q, k, v, o, lse) for check_call, never dereferenced
+//   memory     1 byte: which buffers share memory, or which output overlaps what
+//   values     1 byte mode, 1 byte exponent, 8 bytes seed
+//   calls      1 byte: which calls (and whether for every kernel); 1 byte: kernel; 1 byte:
+//              threads and workspace offset
+//   merge      1 byte count; the parts' o strides and lse strides; 1 byte flags
+#include <mha/attention.h>
+#include <mha/parallel.h>
+#include <mha/registry.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fuzz_input.h"
+#include "reference.h"
+#include "tolerance.h"
+
+namespace mha::fuzz {
+namespace {
+
+using i64 = std::int64_t;
+__extension__ typedef __int128 i128;  // exact offsets and addresses (GCC and clang have it)
+constexpr i64 kMax = std::numeric_limits<i64>::max();
+constexpr i64 kMin = std::numeric_limits<i64>::min();
+
+// Buffers are allocated only for problems this small: every float of all the buffers
+// together (2 MiB), and B H Lq Lk D multiply-adds (the reference costs about as much again).
+// Enough for split-KV decoding (Lk >= 512) and D past the largest tile, and small enough for
+// a few hundred inputs a second.
+constexpr double kMaxFloats = 1 << 19;
+constexpr double kMaxWork = 1 << 19;
+
+constexpr std::uint32_t kPattern = 0x7FC0DEADu;  // a quiet NaN, as the property tests use
+
+i64 saturate(i128 v) { return v > kMax ? kMax : (v < kMin ? kMin : static_cast<i64>(v)); }
+
+// One int64 field. Selectors below 0x80 are the value itself (0..127), so small problems are
+// one byte a size; the others reach medium sizes, the edges of int64 arithmetic, negative
+// values and any 64-bit value.
+i64 field(Bytes& in) {
+  static constexpr i64 kSpecial[32] = {0,
+                                       kMax,
+                                       kMin,
+                                       kMax - 1,
+                                       kMax / 2,
+                                       kMax / 4,
+                                       kMax / 4 + 1,
+                                       kMax / 8,
+                                       i64{1} << 31,
+                                       (i64{1} << 31) - 1,
+                                       i64{1} << 32,
+                                       (i64{1} << 32) + 1,
+                                       i64{1} << 40,
+                                       i64{1} << 48,
+                                       i64{1} << 61,
+                                       (i64{1} << 61) + 1,
+                                       i64{1} << 62,
+                                       (i64{1} << 62) + 1,
+                                       3037000499,
+                                       3037000500,
+                                       (i64{1} << 21) - 1,
+                                       i64{1} << 21,
+                                       65535,
+                                       65536,
+                                       16777216,
+                                       16777217,
+                                       -(i64{1} << 31),
+                                       -(i64{1} << 62),
+                                       kMin + 1,
+                                       511,
+                                       512,
+                                       4096};
+  const std::uint8_t s = in.u8();
+  if (s < 0x80) return s;
+  if (s < 0xa0) return i64{s & 0x1f} << 8 | in.u8();  // 0..8191
+  if (s < 0xc0) return kSpecial[s & 0x1f];
+  if (s < 0xe0) return -1 - (s & 0x1f);
+  return static_cast<i64>(in.u64());
+}
+
+float scale(Bytes& in, i64 head_dim) {
+  static constexpr float kSpecial[16] = {0.0f,
+                                         -0.0f,
+                                         std::numeric_limits<float>::infinity(),
+                                         -std::numeric_limits<float>::infinity(),
+                                         std::numeric_limits<float>::quiet_NaN(),
+                                         std::numeric_limits<float>::min(),
+                                         std::numeric_limits<float>::denorm_min(),
+                                         std::numeric_limits<float>::max(),
+                                         -std::numeric_limits<float>::max(),
+                                         1e-30f,
+                                         1e30f,
+                                         1.0f,
+                                         -1.0f,
+                                         0.5f,
+                                         -0.125f,
+                                         1e-3f};
+  switch (in.u8() % 4) {
+    case 0:  // make_problem's
+      return head_dim > 0 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))
+                          : 1.0f;
+    case 1: {
+      const std::uint32_t bits = in.u32();
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    }
+    case 2:
+      return kSpecial[in.u8() % 16];
+    default:
+      return static_cast<float>(static_cast<std::int8_t>(in.u8())) / 16.0f;
+  }
+}
+
+// Strides of a [batch][len][heads][dim] tensor: dense and padded layouts, broadcast, and any
+// three values. Products saturate, as make_problem's do.
+Strides strides(Bytes& in, i64 len, i64 heads, i64 dim) {
+  const auto mul = [](i64 a, i64 b) { return saturate(i128{a} * b); };
+  const auto add = [](i64 a, i64 b) { return saturate(i128{a} + b); };
+  switch (in.u8() % 8) {
+    case 0:
+      return dense_strides(Layout::token_major, len, heads, dim);
+    case 1:
+      return dense_strides(Layout::head_major, len, heads, dim);
+    case 2: {  // token-major, each stride padded
+      const i64 head = add(dim, in.u8());
+      const i64 seq = add(mul(heads, head), in.u8());
+      return {add(mul(len, seq), in.u8()), seq, head};
+    }
+    case 3: {  // head-major, each stride padded
+      const i64 seq = add(dim, in.u8());
+      const i64 head = add(mul(len, seq), in.u8());
+      return {add(mul(heads, head), in.u8()), seq, head};
+    }
+    case 4: {  // one sequence shared by the batch
+      Strides s = dense_strides(Layout::token_major, len, heads, dim);
+      s.batch = 0;
+      return s;
+    }
+    case 5: {
+      Strides s;
+      s.batch = field(in);
+      s.seq = field(in);
+      s.head = field(in);
+      return s;
+    }
+    case 6:
+      return {0, 0, 0};
+    default: {  // token-major with one stride of any value
+      Strides s = dense_strides(Layout::token_major, len, heads, dim);
+      const int which = in.u8() % 3;
+      (which == 0 ? s.batch : which == 1 ? s.seq : s.head) = field(in);
+      return s;
+    }
+  }
+}
+
+LseStrides lse_strides(Bytes& in, i64 batch, i64 heads, i64 len) {
+  const auto mul = [](i64 a, i64 b) { return saturate(i128{a} * b); };
+  const auto add = [](i64 a, i64 b) { return saturate(i128{a} + b); };
+  switch (in.u8() % 4) {
+    case 0:
+      return {mul(heads, len), len};
+    case 1:
+      return {len, mul(batch, len)};  // [head][batch][row]
+    case 2: {
+      const i64 head = add(len, in.u8());
+      return {add(mul(heads, head), in.u8()), head};
+    }
+    default: {
+      LseStrides s;
+      s.batch = field(in);
+      s.head = field(in);
+      return s;
+    }
+  }
+}
+
+Problem decode_problem(Bytes& in) {
+  Problem p;
+  p.batch = field(in);
+  p.q_len = field(in);
+  p.kv_len = field(in);
+  p.q_heads = field(in);
+  p.kv_heads = field(in);
+  p.head_dim = field(in);
+  p.causal = (in.u8() & 1) != 0;
+  p.scale = scale(in, p.head_dim);
+  p.q = strides(in, p.q_len, p.q_heads, p.head_dim);
+  p.k = strides(in, p.kv_len, p.kv_heads, p.head_dim);
+  p.v = strides(in, p.kv_len, p.kv_heads, p.head_dim);
+  p.o = strides(in, p.q_len, p.q_heads, p.head_dim);
+  p.lse = lse_strides(in, p.batch, p.q_heads, p.q_len);
+  return p;
+}
+
+// Highest element offset of a tensor in exact arithmetic (sizes >= 1, strides >= 0).
+i128 highest(const i64* extent, const i64* stride, int rank) {
+  i128 sum = 0;
+  // Each term is below 2^126; capped at 2^100, four cannot overflow whatever check() let by.
+  for (int i = 0; i < rank; ++i) sum += std::min(i128{extent[i] - 1} * stride[i], i128{1} << 100);
+  return sum;
+}
+
+// Calls f(offset) for every element of a [batch][len][heads][dim] tensor, stopping when f
+// returns false.
+template <typename F>
+void for_each_offset(const Strides& s, i64 batch, i64 len, i64 heads, i64 dim, F&& f) {
+  for (i64 b = 0; b < batch; ++b)
+    for (i64 l = 0; l < len; ++l)
+      for (i64 h = 0; h < heads; ++h)
+        for (i64 d = 0; d < dim; ++d)
+          if (!f(b * s.batch + l * s.seq + h * s.head + d)) return;
+}
+
+template <typename F>
+void for_each_lse_offset(const LseStrides& s, i64 batch, i64 heads, i64 len, F&& f) {
+  for (i64 b = 0; b < batch; ++b)
+    for (i64 h = 0; h < heads; ++h)
+      for (i64 i = 0; i < len; ++i)
+        if (!f(b * s.batch + h * s.head + i)) return;
+}
+
+// What check() admits must hold: every tensor's highest byte offset fits int64_t, and no two
+// elements of o, or of lse, share an offset (checked by marking every element when o and lse
+// are small enough to enumerate).
+void verify_admitted(const Problem& p) {
+  const i64 head_dim = p.head_dim;
+  const struct {
+    const char* name;
+    const Strides& s;
+    i64 len, heads;
+  } tensors[] = {{"q", p.q, p.q_len, p.q_heads},
+                 {"k", p.k, p.kv_len, p.kv_heads},
+                 {"v", p.v, p.kv_len, p.kv_heads},
+                 {"o", p.o, p.q_len, p.q_heads}};
+  for (const auto& t : tensors) {
+    const i64 extent[4] = {p.batch, t.len, t.heads, head_dim};
+    const i64 stride[4] = {t.s.batch, t.s.seq, t.s.head, 1};
+    expect(t.s.batch >= 0 && t.s.seq >= 0 && t.s.head >= 0,
+           std::string("check admitted a negative stride of ") + t.name);
+    expect(highest(extent, stride, 4) <= kMax / 4,
+           std::string("check admitted ") + t.name + " whose highest byte offset overflows");
+  }
+  const i64 lse_sizes[3] = {p.batch, p.q_heads, p.q_len};
+  const i64 lse_stride[3] = {p.lse.batch, p.lse.head, 1};
+  expect(p.lse.batch >= 0 && p.lse.head >= 0, "check admitted a negative lse stride");
+  expect(highest(lse_sizes, lse_stride, 3) <= kMax / 4,
+         "check admitted lse whose highest byte offset overflows");
+
+  const auto distinct = [](const char* name, i64 extent, double elements, auto&& each) {
+    if (static_cast<double>(extent) > kMaxFloats) return;
+    // More elements than offsets: two must share one.
+    expect(elements <= static_cast<double>(extent),
+           std::string("check admitted ") + name + " with more elements than offsets");
+    std::vector<bool> seen(static_cast<std::size_t>(extent));
+    each([&](i64 off) {
+      expect(off >= 0 && off < extent, std::string(name) + " element outside its extent");
+      expect(!seen[static_cast<std::size_t>(off)],
+             std::string("check admitted ") + name + " whose elements overlap");
+      seen[static_cast<std::size_t>(off)] = true;
+      return true;
+    });
+  };
+  const double rows =
+      static_cast<double>(p.batch) * static_cast<double>(p.q_len) * static_cast<double>(p.q_heads);
+  distinct("o", o_extent(p), rows * static_cast<double>(head_dim),
+           [&](auto&& f) { for_each_offset(p.o, p.batch, p.q_len, p.q_heads, head_dim, f); });
+  distinct("lse", lse_extent(p), rows,
+           [&](auto&& f) { for_each_lse_offset(p.lse, p.batch, p.q_heads, p.q_len, f); });
+}
+
+// check_call's verdict for these pointers (q, k, v, o, lse), from exact address ranges.
+std::string expected_verdict(const Problem& p, const float* const* ptr) {
+  std::string message = check(p);
+  if (!message.empty()) return message;
+  const char* names[5] = {"q", "k", "v", "o", "lse"};
+  for (int t = 0; t < 4; ++t) {
+    if (ptr[t] == nullptr) return std::string(names[t]) + " must not be null";
+  }
+  const i64 extents[5] = {q_extent(p), k_extent(p), v_extent(p), o_extent(p), lse_extent(p)};
+  const auto begin = [&](int t) { return i128{reinterpret_cast<std::uintptr_t>(ptr[t])}; };
+  const auto end = [&](int t) { return begin(t) + i128{extents[t]} * 4; };
+  const auto overlap = [&](int a, int b) { return begin(a) < end(b) && begin(b) < end(a); };
+  const int outputs = ptr[4] != nullptr ? 5 : 4;
+  for (int out = 3; out < outputs; ++out) {
+    for (int in = 0; in < 3; ++in) {
+      if (overlap(out, in)) {
+        return std::string(names[out]) + " overlaps " + names[in] +
+               ": outputs must not share memory with inputs";
+      }
+    }
+  }
+  if (outputs == 5 && overlap(3, 4)) return "lse overlaps o: outputs must not share memory";
+  return std::string();
+}
+
+// check_call on addresses that are never dereferenced: each tensor in a region of its own
+// (4 TiB apart), at an offset from another tensor, or null. A rejected call must be rejected
+// by mha::attention too, before it reads anything (a read would fault), and an invalid
+// problem by mha::merge.
+void fake_addresses(Bytes& in, const Problem& p) {
+  std::uintptr_t addr[5] = {};
+  const auto region = [](int t) { return static_cast<std::uintptr_t>(t + 1) << 42; };
+  for (int t = 0; t < 5; ++t) {
+    switch (in.u8() % 4) {
+      case 0:
+        addr[t] = 0;
+        break;
+      case 1:
+        addr[t] = region(t);
+        break;
+      case 2: {
+        const int other = in.u8() % 5;
+        const std::uintptr_t base = addr[other] != 0 ? addr[other] : region(other);
+        const i128 a = i128{base} + i128{field(in)} * 4;
+        // Addresses a process can have (x86-64 and AArch64 user space: below 2^47).
+        addr[t] = a >= 4096 && a < (i128{1} << 47) ? static_cast<std::uintptr_t>(a) : region(t);
+        break;
+      }
+      default:
+        addr[t] = region(t) + 4 * std::uintptr_t{in.u8()};
+        break;
+    }
+  }
+  const float* ptr[5];
+  for (int t = 0; t < 5; ++t) ptr[t] = reinterpret_cast<const float*>(addr[t]);
+  const std::string want = expected_verdict(p, ptr);
+  const std::string got = check_call(p, ptr[0], ptr[1], ptr[2], ptr[3], ptr[4]);
+  expect(got == want, "check_call said \"" + got + "\", expected \"" + want + "\"");
+  if (want.empty()) return;
+  float* o = const_cast<float*>(ptr[3]);
+  float* lse = const_cast<float*>(ptr[4]);
+  expect_rejected([&] { attention(p, ptr[0], ptr[1], ptr[2], o, lse, 1); },
+                  "mha::attention: " + want, "mha::attention on fake addresses");
+  const std::string problem = check(p);
+  if (problem.empty()) return;
+  const float* part_o[1] = {ptr[3]};
+  const float* part_lse[1] = {ptr[4]};
+  Parts parts;
+  parts.count = 1;
+  parts.o = part_o;
+  parts.lse = part_lse;
+  parts.o_strides = p.o;
+  parts.lse_strides = p.lse;
+  expect_rejected([&] { merge(p, parts, o, lse); }, "mha::merge: " + problem,
+                  "mha::merge of an invalid problem");
+}
+
+// A buffer of exactly `size` floats (AddressSanitizer's redzone starts right after it).
+struct Buffer {
+  std::unique_ptr<float[]> data;
+  i64 size = 0;
+  explicit Buffer(i64 n) : data(new float[static_cast<std::size_t>(n)]), size(n) { fill_pattern(); }
+  void fill_pattern() {
+    for (i64 i = 0; i < size; ++i) std::memcpy(&data[static_cast<std::size_t>(i)], &kPattern, 4);
+  }
+  bool is_pattern(i64 i) const {
+    std::uint32_t bits;
+    std::memcpy(&bits, &data[static_cast<std::size_t>(i)], 4);
+    return bits == kPattern;
+  }
+  std::vector<float> snapshot() const { return {data.get(), data.get() + size}; }
+  bool same_as(const std::vector<float>& s) const {
+    return std::memcmp(data.get(), s.data(), static_cast<std::size_t>(size) * 4) == 0;
+  }
+};
+
+// The values of the inputs: uniform in [-1, 1), times 2^e for any e, with NaN, Inf, zeros,
+// subnormals and large values sprinkled in, or a few repeated values (equal keys, constant V).
+class Values {
+ public:
+  explicit Values(Bytes& in) : mode_(in.u8() % 4), exponent_(static_cast<std::int8_t>(in.u8())) {
+    state_ = in.u64();
+  }
+  float next() {
+    const std::uint64_t r = bits();
+    const float unit = static_cast<float>(static_cast<double>(r >> 40) * 0x1p-23 - 1.0);
+    switch (mode_) {
+      case 0:
+        return unit;
+      case 1:
+        return std::ldexp(unit, exponent_);
+      case 2: {
+        static constexpr float kSpecial[8] = {std::numeric_limits<float>::quiet_NaN(),
+                                              std::numeric_limits<float>::infinity(),
+                                              -std::numeric_limits<float>::infinity(),
+                                              0.0f,
+                                              -0.0f,
+                                              std::numeric_limits<float>::denorm_min(),
+                                              std::numeric_limits<float>::max(),
+                                              1e4f};
+        return (r & 15) == 0 ? kSpecial[(r >> 4) & 7] : unit;
+      }
+      default: {
+        static constexpr float kFew[4] = {0.0f, 1.0f, -1.0f, 0.5f};
+        return kFew[r & 3];
+      }
+    }
+  }
+  /// For lse parts: finite, or -inf (a part that saw no key) one time in four.
+  float next_lse() {
+    const std::uint64_t r = bits();
+    if ((r & 3) == 0) return -std::numeric_limits<float>::infinity();
+    return mode_ == 2 && (r & 60) == 0 ? next() : 4.0f * next();
+  }
+
+ private:
+  std::uint64_t bits() {  // splitmix64
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  int mode_;
+  int exponent_;
+  std::uint64_t state_;
+};
+
+bool close(double got, double want, double bound) {
+  if (std::isnan(want)) return std::isnan(got);
+  if (std::isinf(want)) return !std::isfinite(got);
+  return std::isfinite(got) && std::fabs(got - want) <= bound;
+}
+
+// The tolerance model counts every fp32 operation as a relative rounding, which holds while
+// nothing overflows or flushes. A row's outputs are compared within it when the inputs keep
+// every logit, its rescaling and the weighted sum of values far below 2^128 (the bounds
+// below leave 2^64), and the row's largest |v| is 0 or at least 2^-100 (products with v in
+// the subnormal range round absolutely, by 2^-150, which is then below 2^-24 V by far).
+// Outside it only the exact rules are checked (rows that see no key).
+constexpr double kModelLimit = 0x1p64;
+constexpr double kSmallestModeledV = 0x1p-100;
+
+bool row_modeled(double v_max) { return v_max == 0.0 || v_max >= kSmallestModeledV; }
+
+struct Inputs {  // a problem with its input pointers
+  const Problem& p;
+  const float *q, *k, *v;
+};
+
+bool inputs_modeled(const Inputs& c) {
+  const Problem& p = c.p;
+  double mq = 0, mk = 0, mv = 0;
+  const auto max_abs = [&](const float* t, const Strides& s, i64 len, i64 heads, double& m) {
+    for_each_offset(s, p.batch, len, heads, p.head_dim, [&](i64 off) {
+      const double x = std::fabs(static_cast<double>(t[off]));
+      if (std::isfinite(x)) m = std::max(m, x);
+      return true;
+    });
+  };
+  max_abs(c.q, p.q, p.q_len, p.q_heads, mq);
+  max_abs(c.k, p.k, p.kv_len, p.kv_heads, mk);
+  max_abs(c.v, p.v, p.kv_len, p.kv_heads, mv);
+  const double logits = std::max(1.0, std::fabs(static_cast<double>(p.scale))) * std::max(1.0, mq) *
+                        std::max(1.0, mk) * static_cast<double>(p.head_dim);
+  return logits <= kModelLimit && std::max(1.0, mv) * static_cast<double>(p.kv_len) <= kModelLimit;
+}
+
+// o and lse (lse may be null) against the reference, as property_tests/compare.cpp compares:
+// finite values within the row's bound, non-finite values exactly where the reference has
+// them, exact zeros and -inf for rows that see no key.
+void compare(const Problem& p, const float* o, const float* lse, const ref::Result& want,
+             const ref::Tolerance& tol, bool modeled, const std::string& what) {
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  for (i64 b = 0; b < p.batch; ++b) {
+    for (i64 h = 0; h < p.q_heads; ++h) {
+      for (i64 i = 0; i < p.q_len; ++i) {
+        const bool masked = visible_keys(p, i) == 0;
+        const std::size_t r = tol.row(b, h, i);
+        const bool check_o = modeled && row_modeled(tol.v_max[r]);
+        const auto where = [&](const char* name, i64 d) {
+          return what + ": " + name + "[b=" + std::to_string(b) + "][h=" + std::to_string(h) +
+                 "][i=" + std::to_string(i) + "]" + (d >= 0 ? "[d=" + std::to_string(d) + "]" : "");
+        };
+        for (i64 d = 0; d < p.head_dim; ++d) {
+          const double got = o[b * p.o.batch + i * p.o.seq + h * p.o.head + d];
+          const double w = want.o_at(b, h, i, d);
+          if (masked) {
+            expect(got == 0.0 && w == 0.0, where("o", d) + " of a row that sees no key is not 0");
+          } else if (check_o && !close(got, w, tol.o[r])) {
+            fail(where("o", d) + " = " + std::to_string(got) + ", expected " + std::to_string(w) +
+                 " within " + std::to_string(tol.o[r]));
+          }
+        }
+        if (lse == nullptr) continue;
+        const double got = lse[b * p.lse.batch + h * p.lse.head + i];
+        const double w = want.lse_at(b, h, i);
+        if (masked) {
+          expect(got == neg_inf && w == neg_inf,
+                 where("lse", -1) + " of a row that sees no key is not -inf");
+        } else if (modeled && !(std::isinf(w) ? got == w : close(got, w, tol.lse[r]))) {
+          fail(where("lse", -1) + " = " + std::to_string(got) + ", expected " + std::to_string(w) +
+               " within " + std::to_string(tol.lse[r]));
+        }
+      }
+    }
+  }
+}
+
+// Which floats of a buffer are elements of a tensor (the rest is padding).
+std::vector<bool> element_mask(i64 size, const Strides& s, i64 batch, i64 len, i64 heads, i64 dim) {
+  std::vector<bool> mask(static_cast<std::size_t>(size));
+  for_each_offset(s, batch, len, heads, dim, [&](i64 off) {
+    mask[static_cast<std::size_t>(off)] = true;
+    return true;
+  });
+  return mask;
+}
+
+std::vector<bool> lse_mask(const Problem& p) {
+  std::vector<bool> mask(static_cast<std::size_t>(lse_extent(p)));
+  for_each_lse_offset(p.lse, p.batch, p.q_heads, p.q_len, [&](i64 off) {
+    mask[static_cast<std::size_t>(off)] = true;
+    return true;
+  });
+  return mask;
+}
+
+void expect_padding_untouched(const Buffer& b, const std::vector<bool>& mask,
+                              const std::string& what) {
+  for (i64 i = 0; i < b.size; ++i) {
+    if (!mask[static_cast<std::size_t>(i)] && !b.is_pattern(i)) {
+      fail(what + " wrote float " + std::to_string(i) + " of its buffer, which is no element");
+    }
+  }
+}
+
+// Caches the reference and each exp_ulp's tolerance for the calls of one input.
+class Oracle {
+ public:
+  explicit Oracle(const Inputs& c) : c_(c) {}
+  const ref::Result& result() {
+    if (!result_) result_ = std::make_unique<ref::Result>(ref::attention(c_.p, c_.q, c_.k, c_.v));
+    return *result_;
+  }
+  const ref::Tolerance& tolerance(double exp_ulp) {
+    for (const auto& [ulp, tol] : tolerances_) {
+      if (ulp == exp_ulp) return tol;
+    }
+    tolerances_.emplace_back(exp_ulp, ref::tolerance(c_.p, c_.q, c_.k, c_.v, exp_ulp));
+    return tolerances_.back().second;
+  }
+  bool modeled() {
+    if (modeled_ < 0) modeled_ = inputs_modeled(c_) ? 1 : 0;
+    return modeled_ == 1;
+  }
+
+ private:
+  Inputs c_;
+  std::unique_ptr<ref::Result> result_;
+  std::vector<std::pair<double, ref::Tolerance>> tolerances_;
+  int modeled_ = -1;
+};
+
+// mha::merge of `count` parts whose values come from the bytes, against merge's formula in
+// double within a bound derived like reference/tolerance.h's: with x_c = lse_c - m, the fp32
+// subtraction moves x_c by at most u |x_c| and expf (glibc, under 1 ulp) adds 2^-23, so each
+// weight is within eta = exp(u max|x_c|)(1 + 2^-23) - 1; the normalized weights then move by
+// weight_shift(eta), the normalization, products and sums add accumulation_factor(count)
+// (both times the largest |o_c|), and lse is off by log(1 + eta) - log(1 - gamma(count))
+// plus five roundings of values up to |m| + log(count) + 1.
+void merge_parts(Bytes& in, const Problem& p, Values& values) {
+  const std::uint8_t count_byte = in.u8();
+  static constexpr int kCounts[8] = {0, -1, std::numeric_limits<int>::min(), 1, 2, 3, 4, 2};
+  const int count = kCounts[count_byte % 8];
+  Parts parts;
+  parts.count = count;
+  parts.o_strides = strides(in, p.q_len, p.q_heads, p.head_dim);
+  parts.lse_strides = lse_strides(in, p.batch, p.q_heads, p.q_len);
+  const std::uint8_t flags = in.u8();
+  Problem shape = p;  // the parts' layout: sized as o and lse are
+  shape.o = parts.o_strides;
+  shape.lse = parts.lse_strides;
+  // The parts' strides must be >= 0 with highest offsets that fit int64_t bytes, as check()
+  // requires of an input: otherwise merge cannot keep its reads inside the parts.
+  const i64 o_ext4[4] = {p.batch, p.q_len, p.q_heads, p.head_dim};
+  const i64 o_str4[4] = {parts.o_strides.batch, parts.o_strides.seq, parts.o_strides.head, 1};
+  const i64 lse_ext3[3] = {p.batch, p.q_heads, p.q_len};
+  const i64 lse_str3[3] = {parts.lse_strides.batch, parts.lse_strides.head, 1};
+  const bool strides_valid = *std::min_element(o_str4, o_str4 + 4) >= 0 &&
+                             *std::min_element(lse_str3, lse_str3 + 3) >= 0 &&
+                             highest(o_ext4, o_str4, 4) <= kMax / 4 &&
+                             highest(lse_ext3, lse_str3, 3) <= kMax / 4;
+
+  if (count < 1 || (flags & 8) != 0) {
+    Buffer o(o_extent(p));
+    const float* none[1] = {nullptr};
+    parts.o = (flags & 8) != 0 ? nullptr : none;
+    parts.lse = none;
+    expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); },
+                    "mha::merge: needs parts.count >= 1 and non-null o, parts.o and parts.lse",
+                    "mha::merge of " + std::to_string(count) + " parts");
+    return;
+  }
+  if (!strides_valid) {
+    // Parts that cannot be sized: one float each, which merge must not read past.
+    std::vector<Buffer> bufs;
+    for (int c = 0; c < 2 * count; ++c) bufs.emplace_back(1);
+    std::vector<const float*> po, pl;
+    for (int c = 0; c < count; ++c) {
+      po.push_back(bufs[static_cast<std::size_t>(2 * c)].data.get());
+      pl.push_back(bufs[static_cast<std::size_t>(2 * c + 1)].data.get());
+    }
+    parts.o = po.data();
+    parts.lse = pl.data();
+    Buffer o(o_extent(p));
+    const std::string message = "mha::merge: parts.o_strides {batch " + std::to_string(o_str4[0]) +
+                                ", seq " + std::to_string(o_str4[1]) + ", head " +
+                                std::to_string(o_str4[2]) + "} and parts.lse_strides {batch " +
+                                std::to_string(lse_str3[0]) + ", head " +
+                                std::to_string(lse_str3[1]) +
+                                "} must be >= 0 with a highest offset that fits int64_t bytes";
+    expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); }, message,
+                    "mha::merge with parts that cannot be sized");
+    return;
+  }
+  const i64 part_o_extent = o_extent(shape), part_lse_extent = lse_extent(shape);
+  if (static_cast<double>(count) * static_cast<double>(part_o_extent + part_lse_extent) >
+      kMaxFloats) {
+    return;
+  }
+  const std::vector<bool> o_elements =
+      element_mask(part_o_extent, parts.o_strides, p.batch, p.q_len, p.q_heads, p.head_dim);
+  const std::vector<bool> lse_elements = lse_mask(shape);
+  std::vector<Buffer> part_o, part_lse;
+  std::vector<const float*> po, pl;
+  for (int c = 0; c < count; ++c) {
+    part_o.emplace_back(part_o_extent);
+    part_lse.emplace_back(part_lse_extent);
+    for (i64 i = 0; i < part_o_extent; ++i) {
+      if (o_elements[static_cast<std::size_t>(i)]) part_o.back().data[i] = values.next();
+    }
+    for (i64 i = 0; i < part_lse_extent; ++i) {
+      if (lse_elements[static_cast<std::size_t>(i)]) part_lse.back().data[i] = values.next_lse();
+    }
+  }
+  for (int c = 0; c < count; ++c) {
+    po.push_back(part_o[static_cast<std::size_t>(c)].data.get());
+    pl.push_back(part_lse[static_cast<std::size_t>(c)].data.get());
+  }
+  parts.o = po.data();
+  parts.lse = pl.data();
+  const int null_part = (flags & 4) != 0 ? in.u8() % count : -1;
+  if (null_part >= 0) {
+    ((flags & 16) != 0 ? po : pl)[static_cast<std::size_t>(null_part)] = nullptr;
+    Buffer o(o_extent(p));
+    expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); },
+                    "mha::merge: part " + std::to_string(null_part) + " is null",
+                    "mha::merge with a null part");
+    return;
+  }
+
+  // The expected rows, from the parts before the call (o may be merged into part 0).
+  const i64 rows = p.batch * p.q_heads * p.q_len;
+  std::vector<double> want_o(static_cast<std::size_t>(rows * p.head_dim)),
+      want_lse(static_cast<std::size_t>(rows)), tol_o(static_cast<std::size_t>(rows)),
+      tol_lse(static_cast<std::size_t>(rows));
+  std::vector<char> check_o(static_cast<std::size_t>(rows));
+  const double u = 0x1p-24, inf = std::numeric_limits<double>::infinity();
+  for (i64 b = 0; b < p.batch; ++b) {
+    for (i64 h = 0; h < p.q_heads; ++h) {
+      for (i64 i = 0; i < p.q_len; ++i) {
+        const i64 r = (b * p.q_heads + h) * p.q_len + i;
+        const i64 lse_off = b * parts.lse_strides.batch + h * parts.lse_strides.head + i;
+        const i64 o_off =
+            b * parts.o_strides.batch + i * parts.o_strides.seq + h * parts.o_strides.head;
+        double m = -inf;
+        bool nan = false;
+        for (int c = 0; c < count; ++c) {
+          const double l = pl[static_cast<std::size_t>(c)][lse_off];
+          nan |= std::isnan(l);
+          m = std::max(m, l);
+        }
+        double* o_row = &want_o[static_cast<std::size_t>(r * p.head_dim)];
+        if (nan || m == -inf) {
+          std::fill(o_row, o_row + p.head_dim, nan ? std::nan("") : 0.0);
+          want_lse[static_cast<std::size_t>(r)] = nan ? std::nan("") : -inf;
+          continue;
+        }
+        double sum = 0, x_max = 0, o_max = 0;
+        for (int c = 0; c < count; ++c) {
+          const double l = pl[static_cast<std::size_t>(c)][lse_off];
+          sum += std::exp(l - m);
+          if (l != -inf) {
+            x_max = std::max(x_max, std::fabs(l - m));
+            for (i64 d = 0; d < p.head_dim; ++d) {
+              const double x =
+                  std::fabs(static_cast<double>(po[static_cast<std::size_t>(c)][o_off + d]));
+              if (std::isfinite(x)) o_max = std::max(o_max, x);
+            }
+          }
+        }
+        for (i64 d = 0; d < p.head_dim; ++d) {
+          double acc = 0;
+          for (int c = 0; c < count; ++c) {
+            const double l = pl[static_cast<std::size_t>(c)][lse_off];
+            if (l == -inf) continue;  // contributes nothing, as documented
+            acc += std::exp(l - m) / sum * po[static_cast<std::size_t>(c)][o_off + d];
+          }
+          o_row[d] = acc;
+        }
+        want_lse[static_cast<std::size_t>(r)] = m + std::log(sum);
+        const double eta = std::exp(u * x_max) * (1.0 + 2.0 * u) - 1.0;
+        tol_o[static_cast<std::size_t>(r)] =
+            (ref::weight_shift(eta) + ref::accumulation_factor(count)) * o_max;
+        tol_lse[static_cast<std::size_t>(r)] =
+            std::log1p(eta) - std::log1p(-ref::gamma(count)) +
+            5.0 * 2.0 * u * (std::fabs(m) + std::log(static_cast<double>(count)) + 1.0);
+        check_o[static_cast<std::size_t>(r)] = o_max <= kModelLimit && row_modeled(o_max);
+      }
+    }
+  }
+
+  const bool in_place = (flags & 1) != 0 && parts.o_strides.batch == p.o.batch &&
+                        parts.o_strides.seq == p.o.seq && parts.o_strides.head == p.o.head;
+  std::unique_ptr<Buffer> own_o;
+  float* o = nullptr;
+  if (in_place) {
+    o = part_o[0].data.get();
+  } else {
+    own_o = std::make_unique<Buffer>(o_extent(p));
+    o = own_o->data.get();
+  }
+  std::unique_ptr<Buffer> lse;
+  if ((flags & 2) == 0) lse = std::make_unique<Buffer>(lse_extent(p));
+  std::vector<std::vector<float>> before;
+  for (int c = 0; c < count; ++c)
+    before.push_back(part_lse[static_cast<std::size_t>(c)].snapshot());
+  expect_accepted([&] { merge(p, parts, o, lse ? lse->data.get() : nullptr); }, "mha::merge");
+
+  for (int c = 0; c < count; ++c) {
+    expect(part_lse[static_cast<std::size_t>(c)].same_as(before[static_cast<std::size_t>(c)]),
+           "mha::merge wrote a part's lse");
+  }
+  const std::vector<bool> out_elements =
+      element_mask(o_extent(p), p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
+  if (own_o) expect_padding_untouched(*own_o, out_elements, "mha::merge");
+  if (lse) expect_padding_untouched(*lse, lse_mask(p), "mha::merge (lse)");
+  for (i64 b = 0; b < p.batch; ++b) {
+    for (i64 h = 0; h < p.q_heads; ++h) {
+      for (i64 i = 0; i < p.q_len; ++i) {
+        const std::size_t r = static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i);
+        const std::string where = "mha::merge of " + std::to_string(count) +
+                                  " parts, row [b=" + std::to_string(b) +
+                                  "][h=" + std::to_string(h) + "][i=" + std::to_string(i) + "]";
+        const bool masked = want_lse[r] == -inf;
+        for (i64 d = 0; d < p.head_dim; ++d) {
+          const double got = o[b * p.o.batch + i * p.o.seq + h * p.o.head + d];
+          const double w =
+              want_o[r * static_cast<std::size_t>(p.head_dim) + static_cast<std::size_t>(d)];
+          if (masked) {
+            expect(got == 0.0, where + ": o of a row no part saw is not 0");
+          } else if (std::isnan(w) || check_o[r]) {
+            expect(close(got, w, tol_o[r]),
+                   where + ": o[" + std::to_string(d) + "] = " + std::to_string(got) +
+                       ", expected " + std::to_string(w) + " within " + std::to_string(tol_o[r]));
+          }
+        }
+        if (!lse) continue;
+        const double got = lse->data[b * p.lse.batch + h * p.lse.head + i];
+        const bool ok = masked ? got == -inf
+                               : (std::isinf(want_lse[r]) ? got == want_lse[r]
+                                                          : close(got, want_lse[r], tol_lse[r]));
+        expect(ok, where + ": lse = " + std::to_string(got) + ", expected " +
+                       std::to_string(want_lse[r]) + " within " + std::to_string(tol_lse[r]));
+      }
+    }
+  }
+}
+
+// The calls on real buffers, for a problem check() admitted whose buffers are small.
+void run_calls(Bytes& in, const Problem& p) {
+  const std::uint8_t memory = in.u8();
+  const i64 q_ext = q_extent(p), k_ext = k_extent(p), v_ext = v_extent(p), o_ext = o_extent(p),
+            lse_ext = lse_extent(p);
+
+  // Inputs: separate buffers, K and V in one (k == v), or q, k and v all in one.
+  std::vector<std::unique_ptr<Buffer>> inputs;
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  switch (memory & 3) {
+    case 1:
+      inputs.push_back(std::make_unique<Buffer>(q_ext));
+      inputs.push_back(std::make_unique<Buffer>(std::max(k_ext, v_ext)));
+      q = inputs[0]->data.get();
+      k = v = inputs[1]->data.get();
+      break;
+    case 2:
+      inputs.push_back(std::make_unique<Buffer>(std::max({q_ext, k_ext, v_ext})));
+      q = k = v = inputs[0]->data.get();
+      break;
+    default:
+      inputs.push_back(std::make_unique<Buffer>(q_ext));
+      inputs.push_back(std::make_unique<Buffer>(k_ext));
+      inputs.push_back(std::make_unique<Buffer>(v_ext));
+      q = inputs[0]->data.get();
+      k = inputs[1]->data.get();
+      v = inputs[2]->data.get();
+  }
+  // Outputs: their own buffers, or o inside q's or v's, lse inside o's, or a null pointer.
+  Buffer o_buf(o_ext), lse_buf(lse_ext);
+  float* o = o_buf.data.get();
+  float* lse = (memory & 0x20) != 0 ? nullptr : lse_buf.data.get();
+  const auto inside = [&](const float* base, i64 size) {
+    return const_cast<float*>(base) + in.u8() % size;
+  };
+  const float* call_in[3] = {q, k, v};  // what the calls pass: one may be null
+  switch ((memory >> 2) & 7) {
+    case 4:
+      o = inside(q, q == v ? std::max({q_ext, k_ext, v_ext}) : q_ext);
+      break;
+    case 5:
+      o = inside(v, v == k ? std::max(k_ext, v_ext) : v_ext);
+      break;
+    case 6:
+      if (lse != nullptr) lse = inside(o, o_ext);
+      break;
+    case 7: {
+      const int which = in.u8() % 4;
+      if (which == 3) {
+        o = nullptr;
+      } else {
+        call_in[which] = nullptr;
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  const float* ptr[5] = {call_in[0], call_in[1], call_in[2], o, lse};
+  const std::string verdict = expected_verdict(p, ptr);
+
+  // Values for the elements of each input; the padding keeps the NaN pattern.
+  Values values(in);
+  const struct {
+    const float* t;
+    const Strides& s;
+    i64 len, heads;
+  } tensors[] = {
+      {q, p.q, p.q_len, p.q_heads}, {k, p.k, p.kv_len, p.kv_heads}, {v, p.v, p.kv_len, p.kv_heads}};
+  for (const auto& t : tensors) {
+    float* data = const_cast<float*>(t.t);
+    for_each_offset(t.s, p.batch, t.len, t.heads, p.head_dim, [&](i64 off) {
+      data[off] = values.next();
+      return true;
+    });
+  }
+  std::vector<std::vector<float>> snapshots;
+  for (const auto& b : inputs) snapshots.push_back(b->snapshot());
+  const auto inputs_unchanged = [&](const std::string& what) {
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      expect(inputs[i]->same_as(snapshots[i]), what + " wrote into an input's buffer");
+    }
+  };
+
+  const std::uint8_t calls = in.u8();
+  const std::uint8_t kernel_byte = in.u8();
+  const std::uint8_t thread_byte = in.u8();
+  const int threads = 1 + (thread_byte & 1);
+  const KernelInfo& named = all_kernels()[kernel_byte % all_kernels().size()];
+
+  if (!verdict.empty()) {
+    const std::string message = "mha::attention: " + verdict;
+    expect_rejected([&] { attention(p, ptr[0], ptr[1], ptr[2], o, lse, threads); }, message,
+                    "mha::attention");
+    if (available(named)) {
+      expect_rejected([&] { attention(named.name, p, ptr[0], ptr[1], ptr[2], o, lse, threads); },
+                      message, std::string("mha::attention(\"") + named.name + "\")");
+    }
+    inputs_unchanged("a rejected call");
+    if (o == o_buf.data.get()) {
+      for (i64 i = 0; i < o_ext; ++i) expect(o_buf.is_pattern(i), "a rejected call wrote o");
+    }
+    return;
+  }
+
+  const Inputs problem{p, q, k, v};
+  Oracle oracle(problem);
+  const std::vector<bool> o_elements =
+      element_mask(o_ext, p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
+  const std::vector<bool> lse_elements = lse_mask(p);
+  const auto run = [&](const std::string& what, double exp_ulp, bool driver, auto&& call) {
+    o_buf.fill_pattern();
+    lse_buf.fill_pattern();
+    expect_accepted(call, what);
+    inputs_unchanged(what);
+    expect_padding_untouched(o_buf, o_elements, what);
+    if (lse != nullptr) expect_padding_untouched(lse_buf, lse_elements, what);
+    const i64 chunks = driver ? plan(p).chunks : 1;
+    const ref::Tolerance& whole = oracle.tolerance(exp_ulp);
+    const ref::Tolerance tol =
+        chunks > 1 ? ref::merged_tolerance(whole, static_cast<double>(chunks)) : whole;
+    compare(p, o, lse, oracle.result(), tol, oracle.modeled(),
+            what + " (" + std::to_string(chunks) + " KV chunks)");
+  };
+
+  const KernelInfo& best = best_kernel();
+  const bool any = (calls & 0x1f) != 0;
+  if ((calls & 1) != 0 || !any) {
+    run("mha::attention on " + std::to_string(threads) + " threads", best.exp_ulp, true,
+        [&] { attention(p, q, k, v, o, lse, threads); });
+  }
+  // The named kernel, or with bit 6 every kernel of the registry: by name, through the
+  // driver and alone, the last two in workspaces of exactly the size they ask for, placed at
+  // a float-aligned offset (all that the contract promises).
+  const std::size_t ws_offset = 4 * ((thread_byte >> 1) & 15);
+  for (const KernelInfo& kernel : all_kernels()) {
+    if ((calls & 64) == 0 && &kernel != &named) continue;
+    if ((calls & 2) != 0) {
+      const std::string what = std::string("mha::attention(\"") + kernel.name + "\")";
+      if (available(kernel)) {
+        run(what, kernel.exp_ulp, true,
+            [&] { attention(kernel.name, p, q, k, v, o, lse, threads); });
+      } else {
+        expect_rejected([&] { attention(kernel.name, p, q, k, v, o, lse, threads); },
+                        std::string("kernel '") + kernel.name + "' needs " + isa_name(kernel.isa) +
+                            ", which this CPU lacks or MHA_MAX_ISA excludes",
+                        what);
+      }
+    }
+    if (!available(kernel)) continue;
+    if ((calls & 4) != 0) {
+      const std::size_t bytes = parallel_workspace(kernel.workspace, p, threads);
+      std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
+      run(std::string("parallel_attention of ") + kernel.name, kernel.exp_ulp, true, [&] {
+        parallel_attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads,
+                           {ws.get() + ws_offset, bytes});
+      });
+    }
+    if ((calls & 8) != 0) {
+      const std::size_t bytes = kernel.workspace(p);
+      std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
+      run(std::string("kernel ") + kernel.name + " alone", kernel.exp_ulp, false, [&] {
+        kernel.fn(p, q, k, v, o, lse, {ws.get() + ws_offset, bytes});
+      });
+    }
+  }
+  if ((calls & 16) != 0) {  // the thread count does not change a bit
+    run("mha::attention on 1 thread", best.exp_ulp, true,
+        [&] { attention(p, q, k, v, o, lse, 1); });
+    const std::vector<float> one_o = o_buf.snapshot(), one_lse = lse_buf.snapshot();
+    run("mha::attention on 2 threads", best.exp_ulp, true,
+        [&] { attention(p, q, k, v, o, lse, 2); });
+    expect(o_buf.same_as(one_o) && lse_buf.same_as(one_lse),
+           "mha::attention on 1 and 2 threads differ");
+  }
+  if ((calls & 32) != 0) merge_parts(in, p, values);
+}
+
+}  // namespace
+}  // namespace mha::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace mha;
+  using namespace mha::fuzz;
+  Bytes in(data, size);
+  const Problem p = decode_problem(in);
+  const std::string message = check(p);
+  expect(check(p) == message, "check() is not deterministic");
+  if (message.empty()) verify_admitted(p);
+  fake_addresses(in, p);
+  if (!message.empty()) return 0;
+  const double floats = static_cast<double>(q_extent(p)) + static_cast<double>(k_extent(p)) +
+                        static_cast<double>(v_extent(p)) + static_cast<double>(o_extent(p)) +
+                        static_cast<double>(lse_extent(p));
+  const double work = static_cast<double>(p.batch) * static_cast<double>(p.q_heads) *
+                      static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
+                      static_cast<double>(p.head_dim);
+  if (floats <= kMaxFloats && work <= kMaxWork) run_calls(in, p);
+  return 0;
+}

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Writes the fuzz targets' seed corpus: corpus/attention/ and corpus/parse/, one file a seed.
+
+The attention seeds cover the valid layouts (MHA, GQA, MQA, decode with split-KV, causal with
+rows that see no key, padded, head-major, broadcast and shared buffers, every call and
+kernel, merge) and each rule that rejects a problem or a call; the parse seeds the accepted
+and rejected values of every parser. The byte format is the one attention_fuzz.cpp and
+parse_fuzz.cpp document. Usage (from anywhere; rewrites both folders):
+
+    /usr/bin/python3 property_tests/fuzz/make_corpus.py
+"""
+import pathlib
+import shutil
+import struct
+
+HERE = pathlib.Path(__file__).resolve().parent
+INT64_MAX = 2**63 - 1
+
+# attention_fuzz.cpp's kSpecial table of field(): the values worth naming here.
+SPECIAL = {0: 0, INT64_MAX: 1, INT64_MAX // 4: 5, INT64_MAX // 4 + 1: 6}
+
+
+def field(v):
+    """An int64 field as field() decodes it."""
+    if 0 <= v < 0x80:
+        return bytes([v])
+    if 0 <= v < 8192:
+        return bytes([0x80 | (v >> 8), v & 0xFF])
+    if v in SPECIAL:
+        return bytes([0xA0 | SPECIAL[v]])
+    if -32 <= v <= -1:
+        return bytes([0xC0 | (-1 - v)])
+    return bytes([0xE0]) + struct.pack("<q", v)
+
+
+# Strides: strides()'s modes.
+TOKEN, HEAD = bytes([0]), bytes([1])
+BROADCAST, ZERO = bytes([4]), bytes([6])
+
+
+def padded_token(head, seq, batch):
+    return bytes([2, head, seq, batch])
+
+
+def padded_head(seq, head, batch):
+    return bytes([3, seq, head, batch])
+
+
+def any_strides(batch, seq, head):
+    return bytes([5]) + field(batch) + field(seq) + field(head)
+
+
+def one_stride(which, value):  # token-major with stride `which` (0 batch, 1 seq, 2 head) set
+    return bytes([7, which]) + field(value)
+
+
+# lse strides: lse_strides()'s modes.
+LSE_DENSE, LSE_HEAD_OUTER = bytes([0]), bytes([1])
+
+
+def lse_padded(head, batch):
+    return bytes([2, head, batch])
+
+
+def lse_any(batch, head):
+    return bytes([3]) + field(batch) + field(head)
+
+
+# Scale: scale()'s modes.
+SCALE_DEFAULT = bytes([0])
+
+
+def scale_bits(f):
+    return bytes([1]) + struct.pack("<f", f)
+
+
+def scale_special(i):  # 0: 0, 2: inf, 4: NaN, 6: the smallest subnormal, 10: 1e30
+    return bytes([2, i])
+
+
+def scale_sixteenths(n):
+    return bytes([3, n & 0xFF])
+
+
+def problem(b, lq, lk, h, hkv, d, causal=False, scale=SCALE_DEFAULT, q=TOKEN, k=TOKEN, v=TOKEN,
+            o=TOKEN, lse=LSE_DENSE):
+    return (b"".join(field(x) for x in (b, lq, lk, h, hkv, d)) + bytes([int(causal)]) + scale +
+            q + k + v + o + lse)
+
+
+# Fake addresses: fake_addresses()'s modes, five of them (q, k, v, o, lse).
+NULL, OWN = bytes([0]), bytes([1])
+
+
+def at(other, offset):  # `offset` floats from tensor `other`'s address
+    return bytes([2, other]) + field(offset)
+
+
+def own_plus(n):
+    return bytes([3, n])
+
+
+OWN_ALL = OWN * 5
+
+# Memory: run_calls()'s byte. Bits 0-1 inputs (0 separate, 1 k == v, 2 q == k == v), bits
+# 2-4 outputs (4 o inside q, 5 o inside v, 6 lse inside o, 7 a null pointer), bit 5 lse null.
+SEPARATE, SHARED_KV, SHARED_QKV = 0, 1, 2
+O_IN_Q, O_IN_V, LSE_IN_O, NULL_POINTER = 4 << 2, 5 << 2, 6 << 2, 7 << 2
+NO_LSE = 0x20
+
+
+def memory(bits, *extra):
+    return bytes([bits, *extra])
+
+
+# Values: Values' mode (0 uniform, 1 times 2^e, 2 with NaN/Inf/specials, 3 few values), e, seed.
+def values(mode=0, exponent=0, seed=1):
+    return bytes([mode, exponent & 0xFF]) + struct.pack("<Q", seed)
+
+
+# Calls: bit 0 mha::attention, 1 by name, 2 the driver, 3 the kernel alone, 4 threads 1 vs 2,
+# 5 merge, 6 bits 1-3 for every kernel. Kernel: an index into all_kernels() (x86-64: naive, blocked, xsimd-avx2,
+# xsimd-avx512, highway-sse4, highway-avx2, highway-avx3, highway-avx3-dl, avx2, avx512).
+# Threads byte: bit 0 two threads, bits 1-4 the workspace offset in floats.
+def calls(bits, kernel=0, threads=0):
+    return bytes([bits, kernel, threads])
+
+
+ALL_CALLS = 1 | 2 | 4 | 8 | 16
+EVERY_KERNEL = 2 | 4 | 8 | 64
+
+
+# Merge: count byte (0: 0, 1: -1, 2: INT_MIN, 3-6: 1-4 parts), the parts' o strides and lse
+# strides, flags (1 in place, 2 lse null, 4 a null part, 8 null arrays, 16 the null part is
+# an o), and the null part's index.
+def merge(count_byte, o=TOKEN, lse=LSE_DENSE, flags=0, null_part=None):
+    return bytes([count_byte]) + o + lse + bytes([flags] + ([] if null_part is None else [null_part]))
+
+
+def attention_seeds():
+    s = {}
+    run = OWN_ALL + memory(SEPARATE)
+    # Valid layouts, every call.
+    s["mha"] = problem(1, 5, 5, 2, 2, 8) + run + values() + calls(ALL_CALLS, 9, 1)
+    s["gqa-causal-prefill"] = (problem(2, 17, 17, 4, 2, 16, causal=True) + run + values(seed=2) +
+                               calls(ALL_CALLS, 8, 3))
+    s["mqa"] = problem(1, 9, 9, 8, 1, 33) + run + values(seed=3) + calls(ALL_CALLS, 1)
+    s["decode-split-kv"] = (problem(1, 1, 600, 4, 1, 16, causal=True, k=HEAD, v=HEAD) + run +
+                            values(seed=4) + calls(ALL_CALLS, 9, 1))
+    s["decode-mha-long"] = (problem(1, 1, 1000, 8, 8, 32, k=HEAD, v=HEAD) + run + values(seed=5) +
+                            calls(1 | 4 | 16, 8, 1))
+    s["decode-gqa-rows"] = (problem(2, 3, 700, 4, 2, 20, causal=True, k=HEAD, v=HEAD) + run +
+                            values(seed=6) + calls(ALL_CALLS, 0, 1))
+    s["causal-rows-see-nothing"] = (problem(1, 7, 3, 2, 1, 5, causal=True) + run + values(seed=7) +
+                                    calls(ALL_CALLS, 9))
+    s["head-major-padded"] = (problem(2, 6, 11, 3, 3, 17, causal=True, q=HEAD,
+                                      k=padded_head(3, 5, 7), v=padded_token(1, 2, 3),
+                                      o=padded_token(4, 0, 9), lse=lse_padded(3, 1)) + run +
+                              values(seed=8) + calls(ALL_CALLS, 1))
+    s["lse-heads-outer"] = (problem(3, 4, 4, 2, 2, 3, o=HEAD, lse=LSE_HEAD_OUTER) + run +
+                            values(seed=9) + calls(ALL_CALLS, 2))
+    s["broadcast-batch"] = (problem(3, 4, 9, 4, 2, 12, k=BROADCAST, v=BROADCAST) + run +
+                            values(seed=10) + calls(ALL_CALLS, 3))
+    s["one-key-row"] = (problem(2, 1, 5, 2, 1, 7, k=one_stride(1, 0)) + run + values(seed=11) +
+                        calls(ALL_CALLS, 4))
+    s["shared-kv"] = (problem(1, 8, 8, 4, 4, 16) + OWN_ALL + memory(SHARED_KV) + values(seed=12) +
+                      calls(ALL_CALLS, 5))
+    s["fused-qkv"] = (problem(1, 8, 8, 2, 2, 16, q=padded_token(0, 64, 0), k=padded_token(0, 64, 0),
+                              v=padded_token(0, 64, 0)) + OWN_ALL + memory(SHARED_QKV) +
+                      values(seed=13) + calls(ALL_CALLS, 6))
+    s["no-lse"] = (problem(1, 20, 20, 2, 1, 9, causal=True) + OWN_ALL + memory(NO_LSE) +
+                   values(seed=14) + calls(ALL_CALLS, 7))
+    s["d-129-tails"] = (problem(1, 33, 60, 2, 2, 129, causal=True) + run + values(seed=15) +
+                        calls(ALL_CALLS, 9, 7))
+    # The stride of an axis with one index (one batch, head, key or query) addresses nothing,
+    # so check() admits any value: every kernel, decoding and tiled (regressions: kernels
+    # formed pointers one row past the last, whose offsets overflowed).
+    for name, lq in (("decode", 1), ("tiled", 40)):
+        huge = INT64_MAX
+        q_strides = any_strides(huge, huge if lq == 1 else 16, huge)
+        s[f"unused-strides-huge-{name}"] = (
+            problem(1, lq, 1, 1, 1, 16, q=q_strides, k=any_strides(huge, huge, huge),
+                    v=any_strides(huge, huge, huge), o=q_strides, lse=lse_any(huge, huge)) +
+            run + values(seed=23) + calls(1 | EVERY_KERNEL, 0, 1))
+    # Values: large logits, NaN/Inf, subnormal V (outside the tolerance model), few values.
+    s["large-logits"] = (problem(1, 6, 40, 2, 2, 8, scale=scale_sixteenths(-8)) + run +
+                         values(1, 6, seed=16) + calls(ALL_CALLS, 9))
+    s["nan-inf"] = (problem(1, 5, 30, 2, 1, 8, causal=True) + run + values(2, seed=17) +
+                    calls(ALL_CALLS, 1))
+    s["tiny-values"] = (problem(1, 4, 6, 1, 1, 4) + run + values(1, -120, seed=18) +
+                        calls(ALL_CALLS, 9))
+    s["equal-keys"] = (problem(1, 12, 12, 2, 2, 6, causal=True) + run + values(3, seed=19) +
+                       calls(ALL_CALLS, 8))
+    s["subnormal-scale"] = (problem(1, 3, 5, 1, 1, 2, scale=scale_special(6)) + run +
+                            values(seed=20) + calls(1 | 8, 0))
+    # Merge: parts from the bytes, in place, without lse, and its rejections.
+    merged = problem(2, 3, 8, 2, 1, 5) + run + values(2, seed=21) + calls(1 | 32, 0)
+    s["merge-2-parts"] = merged + merge(4)
+    s["merge-4-parts-padded-in-place"] = (problem(1, 4, 4, 3, 3, 6) + run + values(seed=22) +
+                                          calls(1 | 32, 0) + merge(6, flags=1))
+    s["merge-3-parts-other-strides"] = (merged + merge(5, padded_head(1, 2, 3), lse_padded(2, 0),
+                                                       2))
+    s["merge-count-0"] = merged + merge(0)
+    s["merge-null-arrays"] = merged + merge(3, flags=8)
+    s["merge-null-part-lse"] = merged + merge(5, flags=4, null_part=1)
+    s["merge-null-part-o"] = merged + merge(5, flags=4 | 16, null_part=2)
+    # Regressions: merge read outside parts whose strides are negative or overflow.
+    s["merge-parts-stride-negative"] = merged + merge(4, any_strides(-8, 10, 5))
+    s["merge-parts-lse-overflow"] = merged + merge(4, TOKEN, lse_any(INT64_MAX, 2))
+    s["merge-parts-found-by-fuzzing"] = bytes.fromhex(
+        "021111181818181804021001000000000001010101000000020000000000000026"
+        "08bdbdbdbdbdda03")
+
+    # check() rejections, one rule each.
+    small = dict(b=1, lq=2, lk=3, h=2, hkv=1, d=4)
+
+    def bad(**changes):
+        a = dict(small)
+        a.update(changes)
+        return problem(**a) + OWN_ALL
+
+    s["reject-batch-0"] = bad(b=0)
+    s["reject-q-len-negative"] = bad(lq=-1)
+    s["reject-head-dim-huge-negative"] = bad(d=-(2**62))
+    s["reject-heads-not-multiple"] = bad(h=6, hkv=4)
+    s["reject-scale-0"] = bad(scale=scale_special(0))
+    s["reject-scale-nan"] = bad(scale=scale_bits(float("nan")))
+    s["reject-q-stride-negative"] = bad(q=any_strides(-1, 8, 4))
+    s["reject-k-offset-overflow"] = bad(k=one_stride(1, INT64_MAX // 4))
+    s["reject-o-offset-overflow"] = bad(lq=3, o=any_strides(0, INT64_MAX // 4 + 1, 4))
+    s["reject-o-overlaps-itself"] = bad(o=ZERO)
+    s["reject-o-interleaved"] = bad(o=any_strides(16, 8, 2))
+    s["reject-lse-stride-negative"] = bad(lse=lse_any(-5, 2))
+    s["reject-lse-overflow"] = bad(b=2, lse=lse_any(INT64_MAX, 2))
+    s["reject-lse-overlaps-itself"] = bad(lse=lse_any(4, 0))
+    # check_call on fake addresses, and on real buffers: nulls and overlaps.
+    ok = problem(**small)
+    s["call-null-q"] = ok + NULL + OWN * 4
+    s["call-o-overlaps-q"] = ok + OWN * 3 + at(0, 2) + OWN
+    s["call-lse-overlaps-v"] = ok + OWN * 4 + at(2, 1)
+    s["call-lse-overlaps-o"] = ok + OWN * 4 + at(3, 3)
+    s["call-after-o-ok"] = ok + OWN * 3 + at(0, 16) + own_plus(3)
+    tail = values(seed=30) + calls(1 | 2, 9)
+    s["buffers-o-in-q"] = ok + OWN_ALL + memory(O_IN_Q, 3) + tail
+    s["buffers-o-in-v"] = ok + OWN_ALL + memory(O_IN_V | SHARED_KV, 1) + tail
+    s["buffers-lse-in-o"] = ok + OWN_ALL + memory(LSE_IN_O, 5) + tail
+    s["buffers-null-k"] = ok + OWN_ALL + memory(NULL_POINTER, 1) + tail
+    s["buffers-null-o"] = ok + OWN_ALL + memory(NULL_POINTER, 3) + tail
+    return s
+
+
+def parse_seeds():
+    s = {}
+    for i, text in enumerate(["", "avx2", "avx512icl", "sse9", "AVX2"]):
+        s[f"max-isa-{i}"] = bytes([0]) + text.encode()
+    for i, text in enumerate(["", "3", "4096", "4097", "0", " +7", "4x", "99999999999999999999"]):
+        s[f"num-threads-{i}"] = bytes([1]) + text.encode()
+    for i, text in enumerate(["32K,512K", "48k,2048K\n", "2K,512K", "64K,32K", "32K,512K,1M",
+                              ",512K"]):
+        s[f"caches-{i}"] = bytes([2]) + text.encode()
+    for i, text in enumerate(["1024M", "1025M", " 4K", "12Q", "18446744073709551617"]):
+        s[f"cache-size-{i}"] = bytes([3]) + text.encode()
+    for i, text in enumerate(["0-3,8-11", "0,64", "3-1", "0-", "0;1"]):
+        s[f"cpu-list-{i}"] = bytes([4]) + text.encode()
+    # Regressions: CPU numbers whose count overflowed int64_t, or that no system has.
+    s["cpu-list-overflow"] = bytes([4]) + b"0-99999999999999999999"
+    s["cpu-list-overflow-sum"] = bytes([4]) + b"0-4611686018427387904,0-4611686018427387904"
+    s["cpu-list-huge-number"] = bytes([4]) + b"0,6444444444444"
+    for name in ["naive", "blocked", "xsimd-avx2", "xsimd-avx512", "highway-sse4",
+                 "highway-avx2", "highway-avx3", "highway-avx3-dl", "avx2", "avx512", "neon",
+                 "portable", "fastest", ""]:
+        s[f"kernel-{name or 'empty'}"] = bytes([5]) + name.encode()
+    return s
+
+
+def write(target, seeds):
+    folder = HERE / "corpus" / target
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name, data in seeds.items():
+        (folder / name).write_bytes(data)
+    print(f"{folder}: {len(seeds)} seeds")
+
+
+if __name__ == "__main__":
+    write("attention", attention_seeds())
+    write("parse", parse_seeds())
