@@ -254,16 +254,8 @@ struct Model {
                      wo = random(32 * 32, 23), bq = random(32, 24), bk = random(16, 25),
                      bv = random(16, 26), bo = random(32, 27);
   LayerWeights weights() const {
-    LayerWeights w;
-    w.wq = wq.data();
-    w.wk = wk.data();
-    w.wv = wv.data();
-    w.wo = wo.data();
-    w.bq = bq.data();
-    w.bk = bk.data();
-    w.bv = bv.data();
-    w.bo = bo.data();
-    return w;
+    return {wq.data(), wk.data(), wv.data(), wo.data(), bq.data(),
+            bk.data(), bv.data(), bo.data(), false};
   }
 };
 

@@ -456,12 +456,8 @@ TEST_P(FpEnvLayer, GivesTheDefaultEnvironmentsBits) {
   const std::vector<float> wo = values(hd * c.d_model, c.d_model, true, 64);
   const std::vector<float> bq = values(hd, hd, false, 65);
   const std::vector<float> x = values((n + 1) * c.d_model, c.d_model, false, 66);
-  LayerWeights w;
-  w.wq = wq.data();
-  w.wk = wk.data();
-  w.wv = wv.data();
-  w.wo = wo.data();
-  w.bq = bq.data();
+  const LayerWeights w{wq.data(), wk.data(), wv.data(), wo.data(), bq.data(),
+                       nullptr,   nullptr,   nullptr,   false};
   const Layer layer(c, w, gemm_kernel().name);
   constexpr int kThreads = 2;
   expect_environment_ignored(

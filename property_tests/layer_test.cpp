@@ -31,19 +31,11 @@ struct Model {
   std::vector<float> wq, wk, wv, wo, bq, bk, bv, bo, x;  // x [batch][len][d]
 
   LayerWeights weights() const {
-    LayerWeights w;
-    w.wq = wq.data();
-    w.wk = wk.data();
-    w.wv = wv.data();
-    w.wo = wo.data();
-    if (bias) {
-      w.bq = bq.data();
-      w.bk = bk.data();
-      w.bv = bv.data();
-      w.bo = bo.data();
-    }
-    w.transposed = transposed;
-    return w;
+    if (!bias)
+      return {wq.data(), wk.data(), wv.data(), wo.data(), nullptr,
+              nullptr,   nullptr,   nullptr,   transposed};
+    return {wq.data(), wk.data(), wv.data(), wo.data(), bq.data(),
+            bk.data(), bv.data(), bo.data(), transposed};
   }
 };
 

@@ -168,17 +168,8 @@ struct Weights {
   }
 
   mha::LayerWeights view(bool transposed) const {
-    mha::LayerWeights w;
-    w.wq = wq.data();
-    w.wk = wk.data();
-    w.wv = wv.data();
-    w.wo = wo.data();
-    w.bq = bq.data();
-    w.bk = bk.data();
-    w.bv = bv.data();
-    w.bo = bo.data();
-    w.transposed = transposed;
-    return w;
+    return {wq.data(), wk.data(), wv.data(), wo.data(), bq.data(),
+            bk.data(), bv.data(), bo.data(), transposed};
   }
 };
 
