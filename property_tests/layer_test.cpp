@@ -31,11 +31,8 @@ struct Model {
   std::vector<float> wq, wk, wv, wo, bq, bk, bv, bo, x;  // x [batch][len][d]
 
   LayerWeights weights() const {
-    if (!bias)
-      return {wq.data(), wk.data(), wv.data(), wo.data(), nullptr,
-              nullptr,   nullptr,   nullptr,   transposed};
-    return {wq.data(), wk.data(), wv.data(), wo.data(), bq.data(),
-            bk.data(), bv.data(), bo.data(), transposed};
+    const auto b = [&](const std::vector<float>& v) { return bias ? v.data() : nullptr; };
+    return {wq.data(), wk.data(), wv.data(), wo.data(), b(bq), b(bk), b(bv), b(bo), transposed};
   }
 };
 
