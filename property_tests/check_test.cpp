@@ -466,14 +466,25 @@ TEST(Caches, EnvironmentSetsThemOrIsRejected) {
     const mha::support::Caches c = mha::support::detail::read_caches();
     EXPECT_EQ(c.l1d, 32 << 10);
     EXPECT_EQ(c.l2, 512 << 10);
+    EXPECT_EQ(c.l3, 0);  // not given: none known
   }
-  for (const char* bad : {"32K", "32K,", ",512K", "2K,512K", "64K,32K", "32K,512K,1M", "big"}) {
+  {
+    ScopedEnv env("MHA_CACHES", "48K,2M,1920K");  // an L3 share may be smaller than the L2
+    const mha::support::Caches c = mha::support::detail::read_caches();
+    EXPECT_EQ(c.l1d, 48 << 10);
+    EXPECT_EQ(c.l2, 2 << 20);
+    EXPECT_EQ(c.l3, 1920 << 10);
+  }
+  for (const char* bad : {"32K", "32K,", ",512K", "2K,512K", "64K,32K", "32K,512K,", "32K,512K,0",
+                          "32K,512K,1M,2M", "big"}) {
     ScopedEnv env("MHA_CACHES", bad);
     try {
       mha::support::detail::read_caches();
       FAIL() << "no exception for " << bad;
     } catch (const std::invalid_argument& e) {
-      EXPECT_THAT(e.what(), HasSubstr("is not L1D,L2 sizes such as 32K,512K")) << bad;
+      EXPECT_THAT(e.what(), HasSubstr("is not L1D,L2 or L1D,L2,L3 sizes such as 32K,512K or "
+                                      "32K,512K,4M"))
+          << bad;
     }
   }
   const mha::support::Caches system = mha::support::detail::read_caches();  // sysfs or fallback
@@ -485,7 +496,7 @@ TEST(Caches, EnvironmentSetsThemOrIsRejected) {
 // a split-KV chunk must never need more workspace than its whole problem.
 RC_GTEST_PROP(Caches, TilingsStayWithinTheirBounds, ()) {
   const std::int64_t l1d = std::int64_t{4 << 10} << *rc::gen::inRange(0, 6);
-  const mha::support::Caches c{l1d, l1d << *rc::gen::inRange(0, 8)};
+  const mha::support::Caches c{l1d, l1d << *rc::gen::inRange(0, 8), 0};
   const std::int64_t kv_heads = *rc::gen::inRange<std::int64_t>(1, 5);
   const std::int64_t group = *rc::gen::inRange<std::int64_t>(1, 33);
   const std::int64_t dim = *rc::gen::inRange<std::int64_t>(1, 4097);
@@ -506,6 +517,37 @@ RC_GTEST_PROP(Caches, TilingsStayWithinTheirBounds, ()) {
     RC_ASSERT(keys >= step);
     RC_ASSERT(keys <= 256);
   }
+}
+
+// The packing kernels' block (support::packed_rows_per_head) never falls below the rows that
+// amortize a packed tile, whatever the caches and the head width: a block of R = g Br rows is
+// at least 256 rows (or all the rows there are, or the kernel's own bound), short of what
+// dividing by g rounds off, and at most 512 (or one row per head).
+RC_GTEST_PROP(Caches, PackedBlocksAmortizeTheirTiles, ()) {
+  const std::int64_t l1d = std::int64_t{4 << 10} << *rc::gen::inRange(0, 6);
+  const std::int64_t l2 = l1d << *rc::gen::inRange(0, 8);
+  const std::int64_t l3 = *rc::gen::element<std::int64_t>(0, 1 << 20, 32 << 20);
+  const mha::support::Caches c{l1d, l2, l3};
+  const std::int64_t kv_heads = *rc::gen::inRange<std::int64_t>(1, 5);
+  const std::int64_t group = *rc::gen::element<std::int64_t>(1, 2, 3, 4, 7, 8, 32, 64, 600);
+  const std::int64_t dim = *rc::gen::inRange<std::int64_t>(1, 4097);
+  const std::int64_t q_len = *rc::gen::inRange<std::int64_t>(1, 5000);
+  const std::int64_t kv_len = *rc::gen::inRange<std::int64_t>(1, 5000);
+  const Problem p = make_problem(1, q_len, kv_len, group * kv_heads, kv_heads, dim, false);
+  // As avx2 asks: Qp, S and O per row, Kp and Vp per tile, R x D16 within 128 Ki floats.
+  const std::int64_t d16 = (dim + 15) / 16 * 16;
+  const std::int64_t max_rows = std::max<std::int64_t>(1, 131072 / d16);
+  const std::int64_t br =
+      mha::support::packed_rows_per_head(p, dim + 128 + d16, 256 * d16, max_rows, c);
+  RC_ASSERT(br >= 1);
+  RC_ASSERT(br <= q_len);
+  const std::int64_t least = std::min<std::int64_t>({256, max_rows, group * q_len});
+  RC_ASSERT(group * br > least - group);
+  RC_ASSERT(group * br <= std::max(group, std::min<std::int64_t>(512, max_rows)));
+  Problem longer = p;
+  longer.kv_len = *rc::gen::inRange<std::int64_t>(kv_len, 10000);
+  RC_ASSERT(mha::support::packed_rows_per_head(longer, dim + 128 + d16, 256 * d16, max_rows, c) ==
+            br);
 }
 
 TEST(Registry, NamesAreUniqueAndNaiveComesFirst) {

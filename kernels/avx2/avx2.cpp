@@ -48,15 +48,16 @@
 // tile each row pays one softmax max/rescale step, and each microkernel call amortizes its
 // accumulator loads, stores and epilogue over 128 key or D steps; the panel a microkernel
 // reuses from L1 (16 keys x D of Kp or Bc keys x 16 columns of Vp, 8 KiB each at D = 128)
-// fits any L1d. R: every block reads all the K and V it sees from memory (or L3) once, so
-// R divides that traffic, and the block's working set, Qp, S and O (R x (D + Bc + D16)
-// floats, D16 = D rounded up to 16) with Kp and Vp (2 Bc D16), is kept within half of L2,
-// which the panels and the streamed rows share: R = 85 at D = 128 with a 512 KiB L2 (Zen
-// 2-4, 256 KiB), R = 256 with 1 MiB (Zen 4), and at most R x D16 = 256 KiB with 2 MiB
-// (R = 512 at D = 128, g = 4: Br = 128; Xeon, 2 MiB L2: from R = 128 to 256 the D = 128
-// prefill ran about 4% faster, from 256 to 512 3-8% faster at L = 2048 and level at
-// L = 512, the packing's share of the time 3.5% -> 2.1%; 1024 no faster). Packing a tile
-// (transposes, about 10^4 instructions) is spread over R rows.
+// fits any L1d. R: every block packs every KV tile it sees, and reads its K and V from
+// memory (or L3), once, so R divides that work and that traffic. R is 256 to 512 rows, by
+// mha::support::packed_rows_per_head, whose comment gives the rule and its measurements:
+// the block's working set, Qp, S and O (R x (D + Bc + D16) floats, D16 = D rounded up to
+// 16), may outgrow the L2 into the L3, since its traffic per FLOP does not depend on R,
+// while packing for too few rows is the cliff (D = 256 with a 512 KiB L2 once gave R = 1:
+// 4.4 GFLOP/s on a Zen 3 core against 77 at R = 512). Xeon, 2 MiB L2: from R = 128 to 256
+// the D = 128 prefill ran about 4% faster, from 256 to 512 3-8% faster at L = 2048 and
+// level at L = 512, the packing's share of the time 3.5% -> 2.1%; 1024 no faster. Only heads
+// wider than 256 get fewer rows: R x D16 is at most kBlockFloats (R = 32 at D = 4096).
 //
 // Prefetch: packing reads K and V rows one page apart, which the hardware prefetchers do
 // not follow, so every row would start with a cache miss. While S runs, the tile's V rows
@@ -83,8 +84,8 @@
 //
 // Workspace (the caller's; mha_f32_attention_avx2_workspace gives its size), in floats:
 // Bc D (Kp) + Bc D16 (Vp) + R6 D (Qp, R6 = R rounded up to 6) + R Bc (S) + R D16 (O) +
-// 8 R (row maxima) + 3 R, and R int64 counts: about 924 KiB at D = 128, g = 4 with a 2 MiB
-// L2, 526 KiB with 1 MiB, 258 KiB with 512 KiB. Kp and Vp grow with D (2 MiB each at
+// 8 R (row maxima) + 3 R, and R int64 counts: about 924 KiB at D = 128, R = 512 (526 KiB
+// at R = 256), 1.6 MiB at D = 256, R = 512. Kp and Vp grow with D (2 MiB each at
 // D = 4096). Decode needs g x q_len x D8 floats (D8 = D rounded up to 8) and a tile's
 // weights; a prefill workspace is at least the largest decode's, so that the size never
 // shrinks as q_len grows.
@@ -114,10 +115,10 @@ using mha::support::Carve;
 using mha::support::round_up;
 using mha::support::RowPrefetch;
 
-constexpr int kRows = 6;                      // MR: query rows per microkernel group
-constexpr int kPanel = 16;                    // keys per K panel = columns per V panel (2 ymm)
-constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, the S buffer's row stride
-constexpr std::int64_t kBlockFloats = 65536;  // R x D16 at most this (256 KiB): see the header
+constexpr int kRows = 6;                       // MR: query rows per microkernel group
+constexpr int kPanel = 16;                     // keys per K panel = columns per V panel (2 ymm)
+constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, the S buffer's row stride
+constexpr std::int64_t kBlockFloats = 131072;  // R x D16 at most this (512 KiB): see the header
 
 // scale log2(e), rounded once: the logits' base change (the tolerance's rounded log2(e)
 // constant).
@@ -349,16 +350,12 @@ struct Scratch {
   std::int64_t* cols;  // [R]: keys of this tile each row sees
 };
 
-// Br: as many rows of each head as keep the block's working set, R (Qp, S, O rows:
-// D + Bc + D16 floats each) + 2 Bc D16 (Kp, Vp), within half of L2, and R x D16 within
-// kBlockFloats; at least 1.
+// Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (D + Bc +
+// D16) floats for Qp, S and O, and 2 Bc D16 for Kp and Vp, with R D16 within kBlockFloats.
 std::int64_t rows_per_head(const mha::Problem& p) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim16 = round_up(p.head_dim, kPanel);
-  const std::int64_t budget = mha::support::caches().l2 / 2 / std::int64_t{sizeof(float)};
-  const std::int64_t rows =
-      std::min((budget - 2 * kKeys * dim16) / (p.head_dim + kKeys + dim16), kBlockFloats / dim16);
-  return std::clamp(rows / group, std::int64_t{1}, p.q_len);
+  return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim16, 2 * kKeys * dim16,
+                                            kBlockFloats / dim16);
 }
 
 Scratch carve(const mha::Problem& p, Carve& carve) {

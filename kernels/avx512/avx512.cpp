@@ -45,14 +45,15 @@
 //
 // Sizes, from the caches of the core (mha::support::caches()). Bc = 128 keys: the
 // streamed strip of P^T and S^T (Bc x 32 floats, 16 KiB) stays in any L1d of 32 KiB or
-// more. R is up to 512 rows: Br = R / g, at most q_len, and R x D at most an eighth of L2,
-// so that Q^T and O^T together take a quarter of it (R = 512 at D = 128 with a 2 MiB L2,
-// 256 KiB each; R = 256 with 1 MiB, Zen 4); each KV tile is copied once per block, so the
-// larger R, the fewer copies per FLOP (R = 512 measured 4-7% faster than 256 at D = 128,
-// token-major, 2 MiB L2). Q^T and O^T are stored strip by strip: a strip's 32 rows
-// are one contiguous [D][32] panel (16 KiB at 128), so the operand a microkernel streams
-// lies in 4 pages and covers the L1 sets evenly. S^T is one strip's [Bc][32] panel,
-// reused by every strip: it stays in L1 between the S^T product, the softmax and P V.
+// more. R, 256 to 512 rows (Br = R / g, at most q_len), by mha::support::packed_rows_per_head,
+// whose comment gives the rule and its measurements: each KV tile is copied once per block,
+// so the larger R, the fewer copies per FLOP (R = 512 measured 4-7% faster than 256 at
+// D = 128, token-major, 2 MiB L2), and the block's Q^T and O^T may outgrow the L2 into
+// the L3 (R = 512 at D = 128: 256 KiB each). Only heads wider than 256 get fewer rows:
+// R x D is at most kBlockFloats (R = 32 at D = 4096). Q^T and O^T are stored strip by strip: a
+// strip's 32 rows are one contiguous [D][32] panel (16 KiB at 128), so the operand a microkernel
+// streams lies in 4 pages and covers the L1 sets evenly. S^T is one strip's [Bc][32] panel, reused
+// by every strip: it stays in L1 between the S^T product, the softmax and P V.
 //
 // Causal masking is bottom-right aligned: every row sees a prefix of the keys, a lane
 // count per tile. A strip's logits are computed up to the last key any of its rows sees;
@@ -77,7 +78,7 @@
 // Workspace (the caller's; mha_f32_attention_avx512_workspace gives its size), in floats
 // (R' = R rounded up to 32; ldkv = D rounded up to 16, plus 16): D x R' (Q^T) + 32 Bc (S^T)
 // + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K and V copies), and R' int32 counts: about
-// 680 KiB at D = 128, g = 4 with a 2 MiB L2 (420 KiB with 1 MiB). Decode needs g x q_len
+// 690 KiB at D = 128, R = 512 (430 KiB at R = 256). Decode needs g x q_len
 // x D16 floats and a tile of weights.
 //
 // Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
@@ -99,11 +100,11 @@
 
 namespace {
 
-constexpr int kMr = 12;                       // keys (S) or head_dim columns (P V) per microkernel
-constexpr std::int64_t kStrip = 32;           // query rows per microkernel: 2 zmm
-constexpr std::int64_t kMaxKeys = 128;        // Bc: keys per KV tile
-constexpr std::int64_t kBlockRows = 512;      // R, rows of a block, when g and D allow
-constexpr std::int64_t kSmallBlockRows = 64;  // decode-sized blocks: see `small` below
+constexpr int kMr = 12;                        // keys (S) or head_dim columns (P V) per microkernel
+constexpr std::int64_t kStrip = 32;            // query rows per microkernel: 2 zmm
+constexpr std::int64_t kMaxKeys = 128;         // Bc: keys per KV tile
+constexpr std::int64_t kBlockFloats = 131072;  // R x D at most this (512 KiB of Q^T)
+constexpr std::int64_t kSmallBlockRows = 64;   // decode-sized blocks: see `small` below
 
 using mha::support::Block;
 using mha::support::Carve;
@@ -111,16 +112,16 @@ using mha::support::round_up;
 using mha::support::Tiling;
 using mha::support::with_count;
 
+// Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (2 D + 3)
+// floats for Q^T, O^T, m, l and alpha, and 2 Bc ldkv for the K and V copies, with R D
+// within kBlockFloats (and at least 16 rows however wide the head).
 Tiling choose_tiling(const mha::Problem& p) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
   Tiling t;
   t.keys = std::min(kMaxKeys, p.kv_len);
-  // R x D, the block's Q^T and O^T: each an eighth of L2 (256 KiB of a 2 MiB L2, 128 KiB
-  // of a 1 MiB one).
-  const std::int64_t block_floats = mha::support::caches().l2 / 8 / std::int64_t{sizeof(float)};
-  const std::int64_t rows =
-      std::min(kBlockRows, std::max<std::int64_t>(16, block_floats / p.head_dim));
-  t.rows_per_head = std::clamp(rows / group, std::int64_t{1}, p.q_len);
+  const std::int64_t ldkv = round_up(p.head_dim, 16) + 16;
+  t.rows_per_head =
+      mha::support::packed_rows_per_head(p, 2 * p.head_dim + 3, 2 * kMaxKeys * ldkv,
+                                         std::max<std::int64_t>(16, kBlockFloats / p.head_dim));
   return t;
 }
 

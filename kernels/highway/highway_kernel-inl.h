@@ -84,10 +84,10 @@ constexpr int kRows = 12;
 #define MHA_HWY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #endif
 
-constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, S's row stride
-constexpr std::int64_t kBlockFloats = 65536;  // R x D rounded to 2N at most this
-constexpr std::int64_t kDecodeRows = 16;      // rows per KV head below which a problem decodes
-constexpr std::int64_t kDotKeys = 4;          // keys per decode dot-product step
+constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, S's row stride
+constexpr std::int64_t kBlockFloats = 131072;  // R x D rounded to 2N at most this
+constexpr std::int64_t kDecodeRows = 16;       // rows per KV head below which a problem decodes
+constexpr std::int64_t kDotKeys = 4;           // keys per decode dot-product step
 // The widest vector this target may have, in floats (2048-bit SVE: 64).
 constexpr std::size_t kMaxLanes = HWY_MAX_BYTES / sizeof(float);
 
@@ -336,15 +336,13 @@ struct Scratch {
   std::int64_t* cols;  // [R]: keys of this tile each row sees
 };
 
-// Br: as many rows of each head as keep Qp, S and O (R (D + Bc + dim_p) floats) with Kp and
-// Vp (2 Bc dim_p) within half of L2, and R dim_p within kBlockFloats; at least 1.
+// Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (D + Bc +
+// dim_p) floats for Qp, S and O, and 2 Bc dim_p for Kp and Vp, with R dim_p within
+// kBlockFloats.
 inline std::int64_t RowsPerHead(const mha::Problem& p) {
-  const std::int64_t group = p.q_heads / p.kv_heads;
   const std::int64_t dim_p = round_up(p.head_dim, Panel());
-  const std::int64_t budget = mha::support::caches().l2 / 2 / std::int64_t{sizeof(float)};
-  const std::int64_t rows =
-      std::min((budget - 2 * kKeys * dim_p) / (p.head_dim + kKeys + dim_p), kBlockFloats / dim_p);
-  return std::clamp(rows / group, std::int64_t{1}, p.q_len);
+  return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim_p, 2 * kKeys * dim_p,
+                                            kBlockFloats / dim_p);
 }
 
 inline Scratch CarveScratch(const mha::Problem& p, Carve& carve) {

@@ -82,12 +82,12 @@ struct Attention {
   static constexpr int kPanel = 2 * kWidth;  // keys per K panel = columns per V panel
   // MR: query rows per microkernel group; 32 vector registers on AVX-512 and AArch64.
   static constexpr int kRows = kWidth == 8 ? 6 : 12;
-  static constexpr std::int64_t kKeys = 128;           // Bc: keys per KV tile, S's row stride
-  static constexpr std::int64_t kBlockFloats = 65536;  // R x D rounded to 2W at most this
-  static constexpr std::int64_t kDecodeRows = 16;      // rows per KV head below which decode
-  static constexpr std::int64_t kDotKeys = kWidth;     // keys per dot_keys call (one haddp)
-  static constexpr int kDotVectors = 4;                // q vectors in registers in dot_keys
-  static constexpr int kPvVectors = 8;                 // O vectors per add_weighted_rows call
+  static constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, S's row stride
+  static constexpr std::int64_t kBlockFloats = 131072;  // R x D rounded to 2W at most this
+  static constexpr std::int64_t kDecodeRows = 16;       // rows per KV head below which decode
+  static constexpr std::int64_t kDotKeys = kWidth;      // keys per dot_keys call (one haddp)
+  static constexpr int kDotVectors = 4;                 // q vectors in registers in dot_keys
+  static constexpr int kPvVectors = 8;                  // O vectors per add_weighted_rows call
   static_assert(kKeys % kPanel == 0 && kWidth <= 64);
 
   static float neg_inf() { return -std::numeric_limits<float>::infinity(); }
@@ -328,15 +328,13 @@ struct Attention {
     std::int64_t* cols;  // [R]: keys of this tile each row sees
   };
 
-  // Br: as many rows of each head as keep Qp, S and O (R (D + Bc + dim_p) floats) with Kp
-  // and Vp (2 Bc dim_p) within half of L2, and R dim_p within kBlockFloats; at least 1.
+  // Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (D + Bc +
+  // dim_p) floats for Qp, S and O, and 2 Bc dim_p for Kp and Vp, with R dim_p within
+  // kBlockFloats.
   static std::int64_t rows_per_head(const mha::Problem& p) {
-    const std::int64_t group = p.q_heads / p.kv_heads;
     const std::int64_t dim_p = mha::support::round_up(p.head_dim, kPanel);
-    const std::int64_t budget = mha::support::caches().l2 / 2 / std::int64_t{sizeof(float)};
-    const std::int64_t rows =
-        std::min((budget - 2 * kKeys * dim_p) / (p.head_dim + kKeys + dim_p), kBlockFloats / dim_p);
-    return std::clamp(rows / group, std::int64_t{1}, p.q_len);
+    return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim_p, 2 * kKeys * dim_p,
+                                              kBlockFloats / dim_p);
   }
 
   static Scratch carve(const mha::Problem& p, Carve& carve) {

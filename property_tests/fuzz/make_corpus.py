@@ -256,7 +256,7 @@ def parse_seeds():
     for i, text in enumerate(["", "3", "4096", "4097", "0", " +7", "4x", "99999999999999999999"]):
         s[f"num-threads-{i}"] = bytes([1]) + text.encode()
     for i, text in enumerate(["32K,512K", "48k,2048K\n", "2K,512K", "64K,32K", "32K,512K,1M",
-                              ",512K"]):
+                              ",512K", "32K,512K,", "32K,512K,4M,8M"]):
         s[f"caches-{i}"] = bytes([2]) + text.encode()
     for i, text in enumerate(["1024M", "1025M", " 4K", "12Q", "18446744073709551617"]):
         s[f"cache-size-{i}"] = bytes([3]) + text.encode()

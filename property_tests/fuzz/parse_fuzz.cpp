@@ -169,17 +169,26 @@ void cache_size(const std::string& text) {
 }
 
 void caches(const std::string& text) {
-  const std::size_t comma = text.find(',');
-  const std::int64_t l1d =
-      comma == std::string::npos ? -1 : model_cache_size(text.substr(0, comma));
-  const std::int64_t l2 =
-      comma == std::string::npos ? -1 : model_cache_size(text.substr(comma + 1));
-  const bool valid = l1d >= (4 << 10) && l2 >= l1d;
+  // Two or three sizes between commas: L1d, L2 and optionally the L3 (none: 0).
+  std::vector<std::string> fields(1);
+  for (const char c : text) {
+    if (c == ',') {
+      fields.emplace_back();
+    } else {
+      fields.back() += c;
+    }
+  }
+  const bool counted = fields.size() == 2 || fields.size() == 3;
+  const std::int64_t l1d = counted ? model_cache_size(fields[0]) : -1;
+  const std::int64_t l2 = counted ? model_cache_size(fields[1]) : -1;
+  const std::int64_t l3 = counted && fields.size() == 3 ? model_cache_size(fields[2]) : 0;
+  const bool valid = l1d >= (4 << 10) && l2 >= l1d && l3 >= 0;
   const std::string what = "MHA_CACHES=\"" + text + "\"";
   if (!valid) {
     const std::string message = "MHA_CACHES=" + text +
-                                " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, L2 at "
-                                "least L1D, each at most 1024M)";
+                                " is not L1D,L2 or L1D,L2,L3 sizes such as 32K,512K or "
+                                "32K,512K,4M (L1D at least 4K, L2 at least L1D, each at most "
+                                "1024M)";
     expect_rejected([&] { support::detail::parse_caches(text.c_str()); }, message, what);
     if (!text.empty()) {  // empty is unset: the system's sizes
       const ScopedEnv env("MHA_CACHES", text);
@@ -191,11 +200,12 @@ void caches(const std::string& text) {
   expect_accepted(
       [&] {
         const support::Caches c = support::detail::parse_caches(text.c_str());
-        expect(c.l1d == l1d && c.l2 == l2,
-               what + ": parsed as " + std::to_string(c.l1d) + ", " + std::to_string(c.l2));
+        expect(c.l1d == l1d && c.l2 == l2 && c.l3 == l3,
+               what + ": parsed as " + std::to_string(c.l1d) + ", " + std::to_string(c.l2) + ", " +
+                   std::to_string(c.l3));
         const ScopedEnv env("MHA_CACHES", text);
         const support::Caches e = support::detail::read_caches();
-        expect(e.l1d == l1d && e.l2 == l2, what + ": read_caches() differs");
+        expect(e.l1d == l1d && e.l2 == l2 && e.l3 == l3, what + ": read_caches() differs");
       },
       what);
 }

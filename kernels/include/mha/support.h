@@ -19,6 +19,7 @@
 #include <mha/attention.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -107,8 +108,10 @@ std::size_t workspace_bytes(Layout&& layout) {
 
 /// The data caches one core works in, in bytes: what the kernels size their tiles for.
 struct Caches {
-  std::int64_t l1d;  ///< level 1 data cache of one core
-  std::int64_t l2;   ///< level 2, the share of one core where cores share it
+  std::int64_t l1d;     ///< level 1 data cache of one core
+  std::int64_t l2;      ///< level 2, the share of one core where cores share it
+  std::int64_t l3 = 0;  ///< level 3, the share of one CPU (its size over the CPUs sharing
+                        ///< it); 0 when there is none or it is not known
 };
 
 /// Used for a size the system does not give: the smallest of the cores the kernels are
@@ -170,29 +173,38 @@ inline std::int64_t count_cpus(const std::string& list) {
   return count > 0 ? count : 1;
 }
 
-/// The caches MHA_CACHES's value `value` ("L1D,L2", e.g. "32K,512K") sets; throws
+/// The caches MHA_CACHES's value `value` ("L1D,L2" or "L1D,L2,L3", e.g. "32K,512K" or
+/// "32K,512K,4M"; L3 the share of one CPU, none when left out) sets; throws
 /// std::invalid_argument for anything else (null reads as empty).
 inline Caches parse_caches(const char* value) {
   if (value == nullptr) value = "";
-  const char* comma = std::strchr(value, ',');
+  const std::string text = value;
+  const std::size_t first = text.find(',');
+  const std::size_t second = first == std::string::npos ? first : text.find(',', first + 1);
   const std::int64_t l1d =
-      comma != nullptr ? parse_cache_size(std::string(value, comma).c_str()) : -1;
-  const std::int64_t l2 = comma != nullptr ? parse_cache_size(comma + 1) : -1;
-  if (l1d < (4 << 10) || l2 < l1d) {
+      first != std::string::npos ? parse_cache_size(text.substr(0, first).c_str()) : -1;
+  const std::int64_t l2 =
+      first != std::string::npos
+          ? parse_cache_size(text.substr(first + 1, second - (first + 1)).c_str())
+          : -1;
+  const std::int64_t l3 =
+      second != std::string::npos ? parse_cache_size(text.substr(second + 1).c_str()) : 0;
+  if (l1d < (4 << 10) || l2 < l1d || l3 < 0) {
     throw std::invalid_argument(std::string("MHA_CACHES=") + value +
-                                " is not L1D,L2 sizes such as 32K,512K (L1D at least 4K, "
-                                "L2 at least L1D, each at most 1024M)");
+                                " is not L1D,L2 or L1D,L2,L3 sizes such as 32K,512K or "
+                                "32K,512K,4M (L1D at least 4K, L2 at least L1D, each at most "
+                                "1024M)");
   }
-  return {l1d, l2};
+  return {l1d, l2, l3};
 }
 
-/// MHA_CACHES="L1D,L2" (e.g. "32K,512K") if set; else Linux's sysfs for CPU 0 (each
-/// cache's size over the CPUs sharing it); else kFallbackCaches, per size.
+/// MHA_CACHES="L1D,L2[,L3]" (e.g. "32K,512K") if set; else Linux's sysfs for CPU 0 (each
+/// cache's size over the CPUs sharing it); else kFallbackCaches, per size (no L3).
 inline Caches read_caches() {
   if (const char* env = std::getenv("MHA_CACHES"); env != nullptr && *env != '\0') {
     return parse_caches(env);
   }
-  Caches c{0, 0};
+  Caches c{0, 0, 0};
   for (int index = 0; index < 8; ++index) {
     const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
     const std::string level = read_line(dir + "/level"), type = read_line(dir + "/type");
@@ -201,23 +213,45 @@ inline Caches read_caches() {
     const std::int64_t share = bytes / count_cpus(read_line(dir + "/shared_cpu_list"));
     if (level == "1") c.l1d = share;
     if (level == "2") c.l2 = share;
+    if (level == "3") c.l3 = share;
   }
   if (c.l1d < (4 << 10)) c.l1d = kFallbackCaches.l1d;
   if (c.l2 < c.l1d) c.l2 = std::max(kFallbackCaches.l2, c.l1d);
   return c;
 }
 
+/// What caches() returns instead of the system's while l1d is not 0 (set_caches).
+struct CachesOverride {
+  std::atomic<std::int64_t> l1d{0}, l2{0}, l3{0};
+};
+inline CachesOverride caches_override;
+
 }  // namespace detail
 
-/// The caches of the CPU the process runs on, read once. Tile sizes, and so workspace sizes
-/// and the order of floating-point sums, follow from them: results are the same for every
-/// thread count and every run on one machine, and may differ in the last bits between
-/// machines with different caches. MHA_CACHES="L1D,L2" sets them (to reproduce another
-/// machine's tiling; the tests run the kernels under several); a malformed value throws
-/// std::invalid_argument.
-inline const Caches& caches() {
-  static const Caches c = detail::read_caches();
-  return c;
+/// The caches of the CPU the process runs on, read once (or those set_caches set). Tile
+/// sizes, and so workspace sizes and the order of floating-point sums, follow from them:
+/// results are the same for every thread count and every run on one machine, and may differ
+/// in the last bits between machines with different caches. MHA_CACHES="L1D,L2[,L3]" sets
+/// them (to reproduce another machine's tiling; the tests run the kernels under several); a
+/// malformed value throws std::invalid_argument.
+inline Caches caches() {
+  static const Caches system = detail::read_caches();
+  const detail::CachesOverride& o = detail::caches_override;
+  if (const std::int64_t l1d = o.l1d.load(std::memory_order_relaxed); l1d != 0) {
+    return {l1d, o.l2.load(std::memory_order_relaxed), o.l3.load(std::memory_order_relaxed)};
+  }
+  return system;
+}
+
+/// Makes caches() return `c` from now on, in every thread, or the system's caches again for
+/// c.l1d == 0: what MHA_CACHES does, for a program that sweeps cache configurations in one
+/// process (mha_bench's cliffs family). Call it only while no kernel runs and no workspace
+/// sized before it will be used after it: workspace sizes follow the caches.
+inline void set_caches(const Caches& c) {
+  detail::CachesOverride& o = detail::caches_override;
+  o.l2.store(c.l2, std::memory_order_relaxed);
+  o.l3.store(c.l3, std::memory_order_relaxed);
+  o.l1d.store(c.l1d, std::memory_order_relaxed);
 }
 
 /// Tile sizes: Bc keys per KV tile and Br query rows of each of the g heads per block.
@@ -259,6 +293,43 @@ inline Tiling flash_tiling(const Problem& p, const Caches& c = caches()) {
       std::clamp(block_floats / (group * row_floats), std::int64_t{1}, kMaxRowsPerHead);
   t.rows_per_head = std::min(t.rows_per_head, p.q_len);
   return t;
+}
+
+/// Query rows per head, Br, of a block of the kernels that pack every KV tile they read
+/// (avx2, avx512, xsimd-*, highway-*): the block's R = g Br rows share each packed tile.
+/// `row_floats` is the kernel's scratch per block row (Q, scores, O), `tile_floats` a KV
+/// tile's packed K and V, `max_rows` the most rows the kernel's workspace allows.
+///
+/// R is what amortizes the tile: packing it (transposes, about 10^4 instructions at D = 128)
+/// and bringing each of its panels into L1 cost the same whatever R, so per FLOP they shrink
+/// as 1 / R, and so do the K and V bytes read from memory (2 / R bytes per FLOP). With avx2
+/// on an AMD Zen 3 core (512 KiB L2), D = 128: packing took 9% of the time at R = 85 and 2%
+/// at R = 256, and from R = 85 to R = 512 the prefill ran 13-17% faster on 1 thread and
+/// 16-22% on 2 (g 1 and 4; D = 256: 4.4 GFLOP/s at R = 1, 64 at 64, 77 at 512).
+///
+/// Why the L2 does not bound R: the block's own rows are read and written once per tile
+/// wherever they are, so their traffic per FLOP, about (3 D + 2 Bc) / (Bc D) bytes (0.04 at
+/// D = Bc = 128: 3 GB/s at 75 GFLOP/s), does not depend on R; where they outgrow the L2
+/// they stream from the L3, a few percent of its bandwidth, in sequential streams the
+/// hardware prefetchers follow. At R = 512, D = 128, they are 1.5 MiB, three times that
+/// Zen 3 L2, and run fastest. So the block takes what fits in half of the L2 and half of the
+/// CPU's share of the L3, and:
+/// * at least kMinRows = 256, whatever the caches: below it packing costs more than the
+///   stream does from any level. Without an L3 (or one not known, as with a two-size
+///   MHA_CACHES), the rows beyond the L2 stream from memory: 3 GB/s, a small part of one
+///   core's bandwidth, which many cores together would share, hence no more than the least.
+/// * at most kMaxRows = 512, a unit of the driver (mha/parallel.h) and no faster beyond
+///   (Xeon, 2 MiB L2), and at most max_rows.
+/// Br = R / g, at least 1 and at most q_len.
+inline std::int64_t packed_rows_per_head(const Problem& p, std::int64_t row_floats,
+                                         std::int64_t tile_floats, std::int64_t max_rows,
+                                         const Caches& c = caches()) {
+  constexpr std::int64_t kMinRows = 256, kMaxRows = 512;
+  const std::int64_t group = p.q_heads / p.kv_heads;
+  const std::int64_t budget = (c.l2 / 2 + c.l3 / 2) / std::int64_t{sizeof(float)} - tile_floats;
+  const std::int64_t most = std::min(kMaxRows, max_rows);
+  const std::int64_t rows = std::clamp(budget / row_floats, std::min(kMinRows, most), most);
+  return std::clamp(rows / group, std::int64_t{1}, p.q_len);
 }
 
 /// Keys per KV tile of a decode path (few query rows per KV head, lanes along head_dim):
