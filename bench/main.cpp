@@ -7,6 +7,7 @@
 #include <mha/attention.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
+#include <mha/support.h>
 
 #include <algorithm>
 #include <chrono>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <new>
 #include <set>
@@ -61,8 +63,9 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // What is measured
 
-// --size=quick, --size=default (what runs without the flag), --size=full.
-enum class Size { quick, default_size, full };
+// --size=quick, --size=default (what runs without the flag), --size=full; --size=cliffs: the
+// cliff sweep alone.
+enum class Size { quick, default_size, full, cliffs };
 
 // The name on the command line and in the JSON context (mha_size).
 const char* size_name(Size size) {
@@ -73,24 +76,28 @@ const char* size_name(Size size) {
       return "default";
     case Size::full:
       return "full";
+    case Size::cliffs:
+      return "cliffs";
   }
   return "unknown";
 }
 
 struct Shape {
-  std::string family;  // prefill, decode, heads
+  std::string family;  // prefill, decode, heads, cliffs
   std::int64_t batch, heads, kv_heads, q_len, kv_len, dim;
   bool causal;
   int threads;
+  std::string caches = "";  // cliffs: the cache configuration's name (cliff_configs)
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
-    os << family << "/" << impl << "/B:" << batch << "/H:" << heads << "/Hkv:" << kv_heads
-       << "/Lq:" << q_len << "/Lk:" << kv_len << "/D:" << dim << "/causal:" << causal
-       << "/threads:" << threads;
+    os << family << "/" << impl << (caches.empty() ? "" : "/caches:") << caches << "/B:" << batch
+       << "/H:" << heads << "/Hkv:" << kv_heads << "/Lq:" << q_len << "/Lk:" << kv_len
+       << "/D:" << dim << "/causal:" << causal << "/threads:" << threads;
     return os.str();
   }
-  bool decode() const { return family == "decode"; }
+  // One query row per query head: a KV cache, head-major.
+  bool decode() const { return family == "decode" || (family == "cliffs" && q_len == 1); }
 };
 
 std::vector<Shape> shapes(Size size, int cores) {
@@ -101,7 +108,8 @@ std::vector<Shape> shapes(Size size, int cores) {
     out.push_back({family, 1, h, hkv, lq, lk, d, causal, 1});
     if (cores > 1) out.push_back({family, 1, h, hkv, lq, lk, d, causal, cores});
   };
-  if (size == Size::quick) {  // every family once, small
+  if (size == Size::cliffs) return out;  // the cliff sweep alone
+  if (size == Size::quick) {             // every family once, small
     for (bool causal : {false, true}) add("prefill", 4, 2, 128, 128, 64, causal);
     add("prefill", 4, 1, 128, 128, 64, false);
     add("decode", 4, 2, 1, 512, 64, true);
@@ -141,6 +149,59 @@ std::vector<Shape> shapes(Size size, int cores) {
     for (std::int64_t h : {1, 2, 4, 8, 16, 32, 64}) {
       if (!full && h != 4 && h != 16 && h != 64) continue;
       add("heads", h, h, kv_len, kv_len, width / h, false);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// The cliff sweep: every tiled kernel, 1 thread, over cache configurations (the tiling of
+// other machines, set in this process by mha::support::set_caches, as MHA_CACHES would),
+// head widths, groups, prefill and decode, so that a tiling that collapses on some cache
+// size or head width shows in one table. Each point is the best of its rounds, which are
+// spread over the whole sweep: the host's other tenants only ever slow a call down, and a
+// burst of them would otherwise pass for a cliff.
+
+struct CacheConfig {
+  std::string name;             // in benchmark names: "native", "32K-256K", ...
+  mha::support::Caches caches;  // l1d 0: the system's (native)
+};
+
+// The configurations of the sweep: this CPU's own caches, then L1d and L2 of the families the
+// kernels land on (no L3 given: its share unknown, the kernels' most cautious tiling).
+std::vector<CacheConfig> cliff_configs(Size size) {
+  constexpr std::int64_t K = 1024, M = 1024 * 1024;
+  std::vector<CacheConfig> out = {
+      {"native", {0, 0, 0}},
+      {"32K-256K", {32 * K, 256 * K, 0}},  // Haswell to Skylake client, many laptops
+      {"32K-512K", {32 * K, 512 * K, 0}},  // AMD Zen 2-3, Cortex-A76
+      {"48K-1M", {48 * K, 1 * M, 0}},      // Intel Ice Lake server, AMD Zen 4
+      {"48K-2M", {48 * K, 2 * M, 0}},      // Intel Sapphire and Emerald Rapids
+      {"64K-1M", {64 * K, 1 * M, 0}},      // Arm Neoverse N1, V1
+  };
+  if (size == Size::quick) out = {out[0], out[1]};
+  return out;
+}
+
+// The sweep's problems: B = 1, one KV head and g = H query heads.
+// Prefill: L = 512 (L = 256 for g >= 8, which has g times the rows), not causal. Decode: one
+// query row per head over Lk = 2^19 / D keys, 4 MiB of K and V at every D (in the L3 where
+// there is one).
+std::vector<Shape> cliff_shapes(Size size) {
+  const std::vector<std::int64_t> dims =
+      size == Size::quick ? std::vector<std::int64_t>{16, 128}
+                          : std::vector<std::int64_t>{16, 32, 64, 80, 96, 112, 128, 160, 192, 256};
+  const std::vector<std::int64_t> groups = size == Size::quick
+                                               ? std::vector<std::int64_t>{1, 4}
+                                               : std::vector<std::int64_t>{1, 4, 8, 32};
+  std::vector<Shape> out;
+  for (bool decode : {false, true}) {
+    for (std::int64_t g : groups) {
+      for (std::int64_t d : dims) {
+        const std::int64_t l = g >= 8 ? 256 : 512;
+        const std::int64_t lk = decode ? (std::int64_t{1} << 19) / d : l;
+        out.push_back({"cliffs", 1, g, 1, decode ? 1 : l, lk, d, decode, 1});
+      }
     }
   }
   return out;
@@ -232,6 +293,10 @@ struct Workspace {
   int copies = 1;
   std::vector<Tensor> q, k, v;
   Tensor o, lse;
+  // compare_with_reference's sampled rows, made once per problem (the cliff sweep checks
+  // each problem under every cache configuration and kernel).
+  std::map<std::int64_t, ref::Result> want;
+  std::map<std::pair<std::int64_t, double>, ref::Tolerance> tol;
 };
 
 void fill(Tensor& x, std::uint64_t seed) {
@@ -260,7 +325,9 @@ Problem workspace_problem(const Shape& s) {
 
 Workspace& workspace(const Shape& s, const Probe& probe) {
   static Workspace w;
-  const std::string key = s.name("");
+  Shape problem = s;
+  problem.caches.clear();  // the tensors are the same under every cache configuration
+  const std::string key = problem.name("");
   if (w.key == key) return w;
   w = Workspace();
   w.key = key;
@@ -291,13 +358,20 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
 // Compares sampled rows of w.o and w.lse (first, middle, last query row of every head) with
 // the reference under the shared tolerance, for an implementation whose exp errs by at most
 // `exp_ulp`; lse only when `check_lse`. Empty when they agree.
-std::string compare_with_reference(const Workspace& w, double exp_ulp, bool check_lse) {
+std::string compare_with_reference(Workspace& w, double exp_ulp, bool check_lse) {
   const Problem& p = w.p;
   for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {
-    const ref::Result want =
-        ref::attention(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), row, row + 1);
-    const ref::Tolerance tol =
-        ref::tolerance(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), exp_ulp, row, row + 1);
+    if (w.want.count(row) == 0) {
+      w.want.emplace(row,
+                     ref::attention(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), row, row + 1));
+    }
+    if (w.tol.count({row, exp_ulp}) == 0) {
+      w.tol.emplace(
+          std::make_pair(row, exp_ulp),
+          ref::tolerance(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), exp_ulp, row, row + 1));
+    }
+    const ref::Result& want = w.want.at(row);
+    const ref::Tolerance& tol = w.tol.at({row, exp_ulp});
     for (std::int64_t b = 0; b < p.batch; ++b) {
       for (std::int64_t h = 0; h < p.q_heads; ++h) {
         const std::size_t r = tol.row(b, h, row);
@@ -375,6 +449,11 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
                        [&] { return measure_l2_gbps(probe.caches, threads); });
       state.SetLabel("bw:l2");
       break;
+    case Level::l3:
+      limit = limit_of(gbps, probe.l3_gbps[all], "l3_gbps_now",
+                       [&] { return measure_l3_gbps(probe.caches, threads); });
+      state.SetLabel("bw:l3");
+      break;
     case Level::between:
       break;
   }
@@ -407,6 +486,44 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   set_counters(state, s, p, probe, impl.isa, seconds);
+}
+
+// A point of the cliff sweep: run_benchmark with the kernels tiling for `caches`, then
+// roof_frac, the fraction of the limit that binds: the FMA peak, or, for a decode whose K and
+// V bytes at the bandwidth of their memory level take longer, that bandwidth.
+// Calls of a cliff point: as many as take about `seconds` if it ran at half its roof (the FMA
+// peak or, for a decode, its K and V at the bandwidth of the level they come from), so that
+// Google Benchmark times a fixed count at once instead of growing it run by run (which cost
+// the sweep twice its timed time).
+std::int64_t cliff_iterations(const Shape& s, const Impl& impl, const Probe& probe,
+                              double seconds) {
+  const Problem p = workspace_problem(s);
+  double least = flops(p) / (probe.fma_peak(impl.isa).gflops[0] * 1e9);
+  if (s.decode()) {
+    const Level level = probe.level_of(kv_bytes(p));
+    const double bw = level == Level::l2     ? probe.l2_gbps[0]
+                      : level == Level::dram ? probe.dram_gbps[0]
+                                             : probe.l3_gbps[0];
+    if (bw > 0) least = std::max(least, static_cast<double>(kv_bytes(p)) / (bw * 1e9));
+  }
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(seconds / (2 * least)), 1, 1000);
+}
+
+void run_cliff_benchmark(benchmark::State& state, const Impl& impl, const Shape& s,
+                         const mha::support::Caches& caches, const Probe& probe) {
+  mha::support::set_caches(caches);
+  // One call untimed: the point before read other tensors, and a decode's K and V (4 MiB)
+  // would come from memory on the first of a few dozen calls.
+  Workspace& w = workspace(s, probe);
+  impl.run(w.p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), nullptr, s.threads);
+  run_benchmark(state, impl, s, probe);
+  mha::support::set_caches({0, 0, 0});
+  if (state.error_occurred()) return;
+  double roof = state.counters["peak_frac"];
+  if (const auto bw = state.counters.find("bw_frac"); bw != state.counters.end()) {
+    roof = std::max(roof, bw->second.value);
+  }
+  state.counters["roof_frac"] = roof;
 }
 
 template <typename T>
@@ -550,14 +667,14 @@ int main(int argc, char** argv) {
     if (arg.rfind("--size=", 0) == 0) {
       const std::string value = arg.substr(7);
       bool known = false;
-      for (Size candidate : {Size::quick, Size::default_size, Size::full}) {
+      for (Size candidate : {Size::quick, Size::default_size, Size::full, Size::cliffs}) {
         if (value == size_name(candidate)) {
           size = candidate;
           known = true;
         }
       }
       if (!known) {
-        std::fprintf(stderr, "mha_bench: --size must be quick, default or full, not '%s'\n",
+        std::fprintf(stderr, "mha_bench: --size must be quick, default, full or cliffs, not '%s'\n",
                      value.c_str());
         return 2;
       }
@@ -743,6 +860,45 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The cliff sweep, after the attention shapes: its rounds each cover the whole grid, a
+  // problem at a time (under every configuration and kernel, so that its tensors and its
+  // reference are made once a round).
+  const std::vector<CacheConfig> configs = cliff_configs(size);
+  const std::vector<Shape> cliff_problems = cliff_shapes(size);
+  const int cliff_rounds = size == Size::quick ? 1 : 3;
+  const int cliff_steps = cliff_rounds * static_cast<int>(cliff_problems.size());
+  int cliff_step = 0;
+  for (int r = 1; r <= cliff_rounds; ++r) {
+    for (const Shape& problem : cliff_problems) {
+      ++cliff_step;
+      const std::string what = "cliffs, round " + std::to_string(r) + " of " +
+                               std::to_string(cliff_rounds) + ": " +
+                               problem.name("*").substr(std::strlen("cliffs/*/"));
+      for (const CacheConfig& config : configs) {
+        Shape s = problem;
+        s.caches = config.name;
+        for (const Impl& impl : impls) {
+          if (!impl.tiled || impl.isa.empty()) continue;  // registry kernels that tile
+          benchmark::RegisterBenchmark(
+              s.name(impl.name).c_str(),
+              [impl, s, what, config, cliff_step, cliff_steps](benchmark::State& st) {
+                progress(what, cliff_step, cliff_steps);
+                run_cliff_benchmark(st, impl, s, config.caches, probe);
+              })
+              ->UseRealTime()
+              ->Iterations(cliff_iterations(s, impl, probe, size == Size::quick ? 0.001 : 0.005))
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
+    }
+  }
+  {
+    const mha::support::Caches own = mha::support::caches();
+    ctx("cliffs_native_caches", std::to_string(own.l1d >> 10) + "K," +
+                                    std::to_string(own.l2 >> 10) + "K," +
+                                    std::to_string(own.l3 >> 10) + "K");
+  }
+
   LayerBenchOptions layer_options;
   layer_options.quick = size == Size::quick;
   layer_options.full = size == Size::full;
@@ -750,8 +906,10 @@ int main(int argc, char** argv) {
   layer_options.rounds = rounds;
   layer_options.probe = &probe;
   layer_options.server = server.get();
-  register_gemm_benchmarks(layer_options);
-  register_layer_benchmarks(layer_options);
+  if (size != Size::cliffs) {
+    register_gemm_benchmarks(layer_options);
+    register_layer_benchmarks(layer_options);
+  }
 
   Checked<benchmark::ConsoleReporter> console;
   Checked<benchmark::JSONReporter> json_console;

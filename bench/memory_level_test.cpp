@@ -27,7 +27,9 @@ TEST(MemoryLevel, OnAMachineWhoseL3IsFasterThanMemory) {
   const Probe p = machine(2 * kMiB, 32 * kMiB, 60.0, 12.0);
   EXPECT_EQ(p.memory_level(), 32 * kMiB);
   EXPECT_EQ(p.level_of(kMiB), Level::l2);
-  EXPECT_EQ(p.level_of(kMiB + 1), Level::between);
+  EXPECT_EQ(p.level_of(kMiB + 1), Level::l3);
+  EXPECT_EQ(p.level_of(16 * kMiB), Level::l3);
+  EXPECT_EQ(p.level_of(16 * kMiB + 1), Level::between);
   EXPECT_EQ(p.level_of(128 * kMiB - 1), Level::between);
   EXPECT_EQ(p.level_of(128 * kMiB), Level::dram);
 }
@@ -36,7 +38,7 @@ TEST(MemoryLevel, OnAVirtualMachineWhoseL3ReadsAtDramSpeed) {
   const Probe p = machine(2 * kMiB, 480 * kMiB, 13.0, 12.0);
   EXPECT_EQ(p.memory_level(), 2 * kMiB);
   EXPECT_EQ(p.level_of(kMiB), Level::l2);
-  EXPECT_EQ(p.level_of(4 * kMiB), Level::between);
+  EXPECT_EQ(p.level_of(4 * kMiB), Level::between);  // the L3 is no faster than memory
   EXPECT_EQ(p.level_of(8 * kMiB), Level::dram);
 }
 

@@ -236,6 +236,7 @@ Level Probe::level_of(std::int64_t bytes) const {
 Level reads_from(std::int64_t bytes, const Caches& caches, std::int64_t memory_level) {
   if (bytes >= 4 * memory_level) return Level::dram;
   if (caches.l2 > 0 && 2 * bytes <= caches.l2) return Level::l2;
+  if (caches.l3 > 0 && memory_level == caches.l3 && 2 * bytes <= caches.l3) return Level::l3;
   return Level::between;
 }
 
@@ -266,6 +267,9 @@ double fma_gflops(const ProbeKernels& k, int threads) {
 double l2_gbps(const ProbeKernels& k, const Caches& c, int threads) {
   return read_gbps(k, threads, c.l2 > 0 ? c.l2 / 2 : 512 << 10, 1 << 30);
 }
+double l3_gbps(const ProbeKernels& k, const Caches& c, int threads) {
+  return stream_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
+}
 }  // namespace
 
 Probe run_probe(const Caches& caches, bool dram) {
@@ -284,8 +288,7 @@ Probe run_probe(const Caches& caches, bool dram) {
     const std::int64_t l1 = c.l1d > 0 ? c.l1d / 2 : 16 << 10;
     p.l1_gbps[all] = read_gbps(k, threads, l1, 1 << 30);
     p.l2_gbps[all] = l2_gbps(k, c, threads);
-    if (c.l3 > 0)
-      p.l3_gbps[all] = stream_gbps(k, threads, c.l3 / 2 / threads, std::int64_t{1} << 30);
+    if (c.l3 > 0) p.l3_gbps[all] = l3_gbps(k, c, threads);
     if (dram) p.dram_gbps[all] = dram_gbps(k, c, threads);
   }
   return p;
@@ -304,6 +307,10 @@ double measure_fma_gflops(const std::string& isa, int threads) {
 
 double measure_l2_gbps(const Caches& caches, int threads) {
   return l2_gbps(vector_kernels().front(), caches, threads);
+}
+
+double measure_l3_gbps(const Caches& caches, int threads) {
+  return caches.l3 > 0 ? l3_gbps(vector_kernels().front(), caches, threads) : 0.0;
 }
 
 }  // namespace mha::bench

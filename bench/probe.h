@@ -19,6 +19,7 @@ Caches detect_caches();
 /// measured against.
 enum class Level {
   l2,       ///< fits in half the L2
+  l3,       ///< fits in half the L3, an L3 faster than memory
   between,  ///< some cache level between: no probe figure applies
   dram,     ///< memory
 };
@@ -26,10 +27,11 @@ enum class Level {
 /// The one rule: a working set of `bytes`, read once per call, comes from DRAM when it is
 /// at least 4x `memory_level` (the last cache level faster than memory: Probe::memory_level),
 /// so that at most a quarter of it can be left in that cache from the call before; from the
-/// L2 when it fits in half the L2 (the other half holds everything else); else from a level
-/// between. Used to rotate a benchmark's inputs over copies (dram), to pick the bandwidth
-/// its bw_frac is over, and, before the probe ran, by may_read_dram. Being DRAM only gets
-/// more likely as `memory_level` shrinks (the rule is monotone in it).
+/// L2 when it fits in half the L2 (the other half holds everything else); from the L3 when
+/// it fits in half the L3 (as the probe's own L3 buffer does) and the L3 is the memory level;
+/// else from a level between. Used to rotate a benchmark's inputs over copies (dram), to pick
+/// the bandwidth its bw_frac is over, and, before the probe ran, by may_read_dram. Being DRAM
+/// only gets more likely as `memory_level` shrinks (the rule is monotone in it).
 Level reads_from(std::int64_t bytes, const Caches& caches, std::int64_t memory_level);
 
 /// Whether a working set of `bytes` may read from DRAM once the probe has run, decided
@@ -80,12 +82,13 @@ Probe run_probe(const Caches& caches, bool dram);
 /// streams at memory speed can read faster than the figure measured at the start of the run.
 double measure_dram_gbps(const Caches& caches, int threads);
 
-/// The fp32 FMA peak of `isa` (as in Probe::fma) and the L2 read bandwidth, in GFLOP/s and
+/// The fp32 FMA peak of `isa` (as in Probe::fma) and the L2 and L3 read bandwidths, in GFLOP/s and
 /// GB/s on `threads` threads, measured now as run_probe measures them: when another process
 /// held a core while the probe ran, a benchmark can exceed the figures from the start of the
 /// run. 0 for an ISA the probe does not measure.
 double measure_fma_gflops(const std::string& isa, int threads);
 double measure_l2_gbps(const Caches& caches, int threads);
+double measure_l3_gbps(const Caches& caches, int threads);
 
 std::string cpu_model();
 /// The CPU's identity from /proc/cpuinfo (x86: vendor, family, model, stepping), for

@@ -4,7 +4,7 @@
 # peers beside the kernels, and writes a report (Markdown with plots, and one HTML page)
 # into a dated folder under reports/out/, then prints where it is and the summary table.
 #
-# Usage: scripts/bench.sh [quick|default|full] [extra mha_bench flags...]
+# Usage: scripts/bench.sh [quick|default|full|cliffs] [extra mha_bench flags...]
 #   e.g. scripts/bench.sh default --benchmark_filter='/avx512/'
 # Environment:
 #   MHA_ROUNDS    rounds per shape (default 1): each shape's kernels and peers run this many
@@ -18,8 +18,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 SIZE="${1:-default}"
 shift || true
-case "$SIZE" in quick | default | full) ;; *)
-  echo "bench.sh: size must be quick, default or full, not '$SIZE'" >&2; exit 2 ;;
+case "$SIZE" in quick | default | full | cliffs) ;; *)
+  echo "bench.sh: size must be quick, default, full or cliffs, not '$SIZE'" >&2; exit 2 ;;
 esac
 
 scripts/install-deps.sh
