@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from . import cliffs  # noqa: E402
 from .results import Results, Shape, is_kernel, is_peer, sharing  # noqa: E402
 from .stats import Best, Change, kv_head_groups  # noqa: E402
 
@@ -247,6 +248,56 @@ def roofline(results: Results, path: Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(f"Roofline: every 1-thread result under the measured roofs ({_cpu(results)})")
     _legend(fig, ax)
+    return _save(fig, path)
+
+
+def cliff_heat_map(results: Results, kernel: str, path: Path) -> Path | None:
+    """Does the kernel hold its speed on every cache size, head width and group? One panel
+    per phase and group g: cache configuration x head width, each cell the point's fraction
+    of its roof (best round), on one colour scale for the figure; the worst point of each
+    phase is boxed."""
+    summaries = [s for s in cliffs.summaries(results) if s.kernel == kernel]
+    if not summaries:
+        return None
+    configs = cliffs.configs(results)
+    groups = sorted({p.shape.group for s in summaries for p in s.points})
+    dims = sorted({p.shape.dim for s in summaries for p in s.points})
+    top = max(p.roof_frac for s in summaries for p in s.points)
+    fig, axes = plt.subplots(len(summaries), len(groups), squeeze=False, sharex=True,
+                             sharey=True, figsize=(3.1 * len(groups) + 1.5,
+                                                   0.42 * len(configs) * len(summaries) + 1.8),
+                             layout="constrained")
+    image = None
+    for row, summary in enumerate(summaries):
+        at = {(p.shape.caches, p.shape.group, p.shape.dim): p for p in summary.points}
+        for col, g in enumerate(groups):
+            ax = axes[row][col]
+            grid = [[at[(c, g, d)].roof_frac if (c, g, d) in at else float("nan") for d in dims]
+                    for c in configs]
+            image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=top, aspect="auto")
+            for i, c in enumerate(configs):
+                for j, d in enumerate(dims):
+                    if (c, g, d) in at:
+                        v = at[(c, g, d)].roof_frac
+                        ax.text(j, i, f"{v:.2f}"[1:] if v < 1 else f"{v:.1f}", ha="center",
+                                va="center", fontsize=6,
+                                color="white" if v < 0.55 * top else "black")
+            w = summary.worst.shape
+            if w.group == g:
+                ax.add_patch(plt.Rectangle((dims.index(w.dim) - 0.5, configs.index(w.caches) - 0.5),
+                                           1, 1, fill=False, edgecolor="red", linewidth=2))
+            ax.set_title(f"{summary.phase}, g={g}", fontsize=9)
+            ax.set_xticks(range(len(dims)), [str(d) for d in dims], fontsize=7)
+            ax.set_yticks(range(len(configs)), configs, fontsize=7)
+            if row == len(summaries) - 1:
+                ax.set_xlabel("head width D")
+            if col == 0:
+                ax.set_ylabel("caches (L1d-L2)")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of the roof (FMA peak or bandwidth)")
+    worst = "; ".join(f"{s.phase} worst {s.worst.roof_frac:.2f} = {s.ratio:.2f}x median "
+                      f"{s.median:.2f}" for s in summaries)
+    fig.suptitle(f"Cliff sweep, {kernel} on {_cpu(results)}, 1 thread: {worst}", fontsize=10)
     return _save(fig, path)
 
 

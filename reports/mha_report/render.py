@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import plots
+from . import cliffs, plots
 from .results import (GEMM_LIBRARIES, GemmShape, LayerShape, Results, Shape, is_composed,
                       is_kernel, is_library, is_peer, sharing)
 from .stats import (Best, Change, GemmRow, Headline, LayerRow, Row, Spread, compare, gemm_rows,
@@ -289,6 +289,8 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
     if attention:
         report.heading("Summary: the fastest kernel against the fastest peer")
         report.table(headline_table(headlines(results)))
+    if results.cliff_shapes():
+        _cliff_section(report, results, out)
     if results.gemm_shapes():
         _gemm_section(report, results)
     if results.layer_shapes():
@@ -349,7 +351,8 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
 def _has_attention(results: Results) -> bool:
     """Whether the report has an attention part: attention shapes, or nothing else (then the
     attention part's empty tables say so, as before the gemm and layer families)."""
-    return bool(results.shapes()) or not (results.gemm_shapes() or results.layer_shapes())
+    return bool(results.shapes()) or not (results.gemm_shapes() or results.layer_shapes()
+                                          or results.cliff_shapes())
 
 
 def _dram_note(results: Results) -> str:
@@ -357,6 +360,47 @@ def _dram_note(results: Results) -> str:
         return ""
     return (" This run's probe did not measure the DRAM bandwidth, so there are no "
             "bandwidth fractions.")
+
+
+CLIFF_TITLE = "Cliffs: every tiled kernel over cache sizes, head widths and groups"
+
+
+def cliff_table(summaries: list[cliffs.Summary]) -> Table:
+    """Per kernel and phase: the median over the grid, the worst point, their ratio, the bar."""
+    rows = []
+    for s in summaries:
+        w = s.worst
+        rows.append([f"`{s.kernel}`", s.phase, str(len(s.points)), f"{s.median:.3f}",
+                     w.shape.label().split(" ", 1)[1], f"{w.roof_frac:.3f}", f"{w.gflops:.1f}",
+                     f"{s.ratio:.2f}", f"{s.bar:.1f}", "meets it" if s.passes else "**below**"])
+    return Table(["kernel", "phase", "points", "median of roof", "worst point",
+                  "its fraction of roof", "its GFLOP/s", "worst / median", "bar", "verdict"],
+                 rows)
+
+
+def _cliff_section(report: Report, results: Results, out: Path) -> None:
+    report.heading(CLIFF_TITLE)
+    native = results.context.get("cliffs_native_caches", "")
+    report.para(
+        "Every kernel that tiles for the caches, on 1 thread, with its tiling chosen for each "
+        "cache configuration in turn: `native` is this CPU's own"
+        + (f" (L1d, L2, L3 share: {native})" if native else "")
+        + "; `<L1d>-<L2>` the tiling of another machine's caches (no L3 given, the most "
+        "cautious), run on this CPU. Problems: one KV head and g query heads, prefill "
+        "Lq = Lk = 512 (256 for g >= 8), decode one query row per head over 4 MiB of K and V "
+        "(Lk = 2^19 / D). A point's figure is its fraction of the roof that binds (FMA peak, or "
+        "the bandwidth of the level its K and V come from), the best of its rounds, which are "
+        "spread over the sweep. A cliff is a point far below its kernel's median: the bar is "
+        f"{cliffs.HAND_WRITTEN_BAR} of the median for hand-written kernels, "
+        f"{cliffs.PORTABLE_BAR} for the portable ones (xsimd, Highway).")
+    summaries = cliffs.summaries(results)
+    report.table(cliff_table(summaries))
+    for s in summaries:
+        report.para(cliffs.worst_line(s))
+    for kernel in cliffs.kernels(results):
+        path = plots.cliff_heat_map(results, kernel, out / f"cliffs_{kernel}.png")
+        if path is not None:
+            report.image(path, f"cliff sweep of {kernel}")
 
 
 def _gemm_section(report: Report, results: Results) -> None:
@@ -414,6 +458,9 @@ def summary_text(results: Results) -> str:
     """The summary for the terminal: attention's headline table, then the GEMM and layer
     tables when the run has them."""
     parts = [headline_table(headlines(results)).text()] if _has_attention(results) else []
+    if results.cliff_shapes():
+        parts.append(f"{CLIFF_TITLE}\n"
+                     + "\n".join(_plain(cliffs.worst_line(s)) for s in cliffs.summaries(results)))
     if results.gemm_shapes():
         parts.append(f"{GEMM_TITLE}\n{gemm_table(gemm_rows(results)).text()}")
     if results.layer_shapes():

@@ -17,6 +17,11 @@ Two more families measure what surrounds attention (bench/layer_bench.h):
 
 Their runs are parsed into GemmShape and LayerShape runs beside the attention ones; the
 statistics (stats.py) take any of the three shapes.
+
+The cliff sweep (``cliffs/<kernel>/caches:<config>/B:.../threads:1/iterations:<n>``) times
+every tiled kernel under several cache configurations (``native``: this CPU's own; else
+``<L1d>-<L2>``, the tiling of another machine), head widths and groups, prefill (Lq = Lk) and
+decode (Lq = 1); its runs are CliffShape runs, summarized by cliffs.py.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ NAME = re.compile(
     r"^(?P<family>[a-z]+)/(?P<impl>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)/Hkv:(?P<kv_heads>\d+)"
     r"/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)/causal:(?P<causal>[01])"
     r"/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
+CLIFF_NAME = re.compile(
+    r"^cliffs/(?P<impl>[^/]+)/caches:(?P<caches>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)"
+    r"/Hkv:(?P<kv_heads>\d+)/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)"
+    r"/causal:(?P<causal>[01])/threads:(?P<threads>\d+)(?:/iterations:\d+)?"
+    r"(?:/(?:real|manual)_time)?$")
 GEMM_NAME = re.compile(
     r"^gemm/(?P<impl>[^/]+)/M:(?P<m>\d+)/N:(?P<n>\d+)/K:(?P<k>\d+)"
     r"/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
@@ -43,7 +53,7 @@ LAYER_NAME = re.compile(
 # this project: portable, avx2, avx512, neon, ...).
 GEMM_LIBRARIES = ("openblas", "onednn")
 COUNTERS = ("GFLOPS", "peak_frac", "GBps", "bw_frac", "kv_bytes", "kv_cache_bytes",
-            "dram_gbps_now", "l2_gbps_now", "peak_gflops_now")
+            "dram_gbps_now", "l2_gbps_now", "l3_gbps_now", "peak_gflops_now", "roof_frac")
 
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -143,7 +153,41 @@ class LayerShape:
                 f"{_threads(self.threads)}")
 
 
-AnyShape = Shape | GemmShape | LayerShape
+@dataclass(frozen=True, order=True)
+class CliffShape:
+    """A point of the cliff sweep: one KV head, g = heads query heads, 1 thread, the kernels
+    tiling for the cache configuration `caches`."""
+    family: ClassVar[str] = "cliffs"
+    caches: str
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    dim: int
+    causal: bool
+    batch: int = 1
+    threads: int = 1
+
+    @property
+    def phase(self) -> str:
+        return "decode" if self.q_len == 1 else "prefill"
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    def name(self, impl: str = "*") -> str:
+        return (f"cliffs/{impl}/caches:{self.caches}/B:{self.batch}/H:{self.heads}"
+                f"/Hkv:{self.kv_heads}/Lq:{self.q_len}/Lk:{self.kv_len}/D:{self.dim}"
+                f"/causal:{int(self.causal)}/threads:{self.threads}")
+
+    def label(self) -> str:
+        """'prefill g=4 D=16 L=512, caches 32K-256K'."""
+        length = f"Lk={self.kv_len}" if self.phase == "decode" else f"L={self.q_len}"
+        return f"{self.phase} g={self.group} D={self.dim} {length}, caches {self.caches}"
+
+
+AnyShape = Shape | GemmShape | LayerShape | CliffShape
 
 
 def sharing(heads: int, kv_heads: int) -> str:
@@ -213,7 +257,12 @@ class Results:
                       key=lambda s: (s.step != "prefill", s.d, s.heads, -s.kv_heads, s.dim,
                                      s.new_tokens, s.kv_len, s.batch, s.causal, s.threads))
 
+    def cliff_shapes(self) -> list[CliffShape]:
+        return sorted({r.shape for r in self.runs if isinstance(r.shape, CliffShape)})
+
     def all_shapes(self) -> list[AnyShape]:
+        """The shapes the tables and the comparison with a baseline cover (not the cliff
+        sweep's points: cliffs.py summarizes those)."""
         return [*self.shapes(), *self.gemm_shapes(), *self.layer_shapes()]
 
     def impls(self) -> list[str]:
@@ -261,6 +310,10 @@ class Results:
 
 def parse_name(name: str) -> tuple[AnyShape, str] | None:
     """The shape and implementation a benchmark name stands for; None for other names."""
+    if m := CLIFF_NAME.match(name):
+        g = {k: int(v) for k, v in m.groupdict().items() if k not in ("impl", "caches")}
+        return CliffShape(m["caches"], g["heads"], g["kv_heads"], g["q_len"], g["kv_len"],
+                          g["dim"], g["causal"] == 1, g["batch"], g["threads"]), m["impl"]
     if m := GEMM_NAME.match(name):
         g = {k: int(v) for k, v in m.groupdict().items() if k != "impl"}
         return GemmShape(g["m"], g["n"], g["k"], g["threads"]), m["impl"]

@@ -239,7 +239,7 @@ class Change:
 
 def compare(old: Results, new: Results, alpha: float = 0.05, threshold: float = 0.05
             ) -> list[Change]:
-    """Every benchmark in both runs. A change is a regression (improvement) when the median
+    """Every benchmark in both runs but the cliff sweep's. A change is a regression (improvement) when the median
     time rose (fell) by more than `threshold` and the U test rejects equal distributions at
     `alpha`; below two repetitions on either side it is 'untested'."""
     report = _gbench_report()
@@ -248,6 +248,8 @@ def compare(old: Results, new: Results, alpha: float = 0.05, threshold: float = 
     for entry in diff:
         if entry["name"] == "OVERALL_GEOMEAN" or not entry["measurements"]:
             continue
+        if entry["name"].startswith("cliffs/"):
+            continue  # the sweep's points: summarized on their own (cliffs.py)
         unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[entry["time_unit"]]
         old_ms = statistics.median(m["real_time"] for m in entry["measurements"]) * unit
         new_ms = statistics.median(m["real_time_other"] for m in entry["measurements"]) * unit
