@@ -12,8 +12,10 @@
 // * with_count: a run-time count 1..N as a compile-time constant, for microkernels
 //   instantiated per row or column count.
 // * RowPrefetch: software prefetch of the rows a later phase packs, spread over steps.
-// * Caches: the L1d and L2 sizes the kernels derive their tile sizes from, read once from
-//   the system (or from MHA_CACHES), with fallbacks.
+// * Caches: the L1d, L2 and L3 sizes the kernels derive their tile sizes from, read once
+//   from the system (or from MHA_CACHES), with fallbacks; set_caches for a sweep over them.
+// * Tilings: flash_tiling (blocked, neon), packed_rows_per_head (the kernels that pack each
+//   KV tile), decode_tile_keys (the decode paths).
 #pragma once
 
 #include <mha/attention.h>
