@@ -305,9 +305,9 @@ inline Tiling flash_tiling(const Problem& p, const Caches& c = caches()) {
 /// R is what amortizes the tile: packing it (transposes, about 10^4 instructions at D = 128)
 /// and bringing each of its panels into L1 cost the same whatever R, so per FLOP they shrink
 /// as 1 / R, and so do the K and V bytes read from memory (2 / R bytes per FLOP). With avx2
-/// on an AMD Zen 3 core (512 KiB L2), D = 128: packing took 9% of the time at R = 85 and 2%
-/// at R = 256, and from R = 85 to R = 512 the prefill ran 13-17% faster on 1 thread and
-/// 16-22% on 2 (g 1 and 4; D = 256: 4.4 GFLOP/s at R = 1, 64 at 64, 77 at 512).
+/// on an AMD Zen 3 core (512 KiB L2), D = 128: packing took 9% of the time at R = 85 and
+/// 2-5% at R = 256 to 512, and from R = 85 to R = 512 the prefill ran 13-17% faster on 1
+/// thread and 19-22% on 2 (g 1 and 4; D = 256: 4.4 GFLOP/s at R = 1, 64 at 64, 77 at 512).
 ///
 /// Why the L2 does not bound R: the block's own rows are read and written once per tile
 /// wherever they are, so their traffic per FLOP, about (3 D + 2 Bc) / (Bc D) bytes (0.04 at
