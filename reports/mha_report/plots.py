@@ -279,7 +279,8 @@ def cliff_heat_map(results: Results, kernel: str, path: Path) -> Path | None:
                 for j, d in enumerate(dims):
                     if (c, g, d) in at:
                         v = at[(c, g, d)].roof_frac
-                        ax.text(j, i, f"{v:.2f}"[1:] if v < 1 else f"{v:.1f}", ha="center",
+                        text = f"{v:.2f}"  # ".83", "1.04": the leading 0 left out
+                        ax.text(j, i, text[1:] if text.startswith("0") else text, ha="center",
                                 va="center", fontsize=6,
                                 color="white" if v < 0.55 * top else "black")
             w = summary.worst.shape
