@@ -28,7 +28,8 @@ enum class Level {
 /// at least 4x `memory_level` (the last cache level faster than memory: Probe::memory_level),
 /// so that at most a quarter of it can be left in that cache from the call before; from the
 /// L2 when it fits in half the L2 (the other half holds everything else); from the L3 when
-/// it fits in half the L3 (as the probe's own L3 buffer does) and the L3 is the memory level;
+/// it fits in half the L3 (read, at its best, at the rate the probe's L3 buffer gives) and
+/// the L3 is the memory level;
 /// else from a level between. Used to rotate a benchmark's inputs over copies (dram), to pick
 /// the bandwidth its bw_frac is over, and, before the probe ran, by may_read_dram. Being DRAM
 /// only gets more likely as `memory_level` shrinks (the rule is monotone in it).
