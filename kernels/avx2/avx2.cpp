@@ -512,6 +512,14 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 // the prefetches cost 13.2 -> 14.2 ns (a case decode meets only in benchmarks that repeat
 // one step: a KV cache is read once per step). At g = 1 the stream runs at DRAM speed with
 // or without them (75-79 ns per key of 1 KiB).
+//
+// Tried and not adopted (Zen 3): register blocks of 4 rows (S 4 rows x 3 keys, P V 4 rows x 2
+// vectors, each K or V vector loaded feeding 4 FMAs) with tiles sized to the L2. With K and V
+// in L2 it took 7.4-7.5 ns per row and key at D = 128 (g = 4, 8) against 10.5-11.3 here, and
+// 1.9-2.0 against 3.2-3.4 at D = 16; streaming from DRAM, mha_bench's decode shapes ran
+// 1.45-1.9x slower. With this file's L1 tiles and prefetch the blocks were still slower from
+// DRAM (27-43 against 20-26 ns per row and key, g = 4, 32 MiB); the cause is not known. A
+// cache is read once per step, so DRAM is what counts.
 constexpr std::int64_t kDecodeRows = 16;  // rows per KV head below which a problem decodes
 constexpr std::int64_t kDotKeys = 8;      // keys per dot_keys call
 constexpr std::int64_t kPvColumns = 64;   // head_dim columns per add_weighted_rows call
