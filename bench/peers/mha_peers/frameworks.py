@@ -130,6 +130,42 @@ class TorchSdpa(Peer):
         t.o[...] = self.out.permute(0, 2, 1, 3).numpy()
 
 
+class TorchSdpaGrouped(TorchSdpa):
+    """The same operator on a grouped-query decode step as a performance-minded user passes
+    it: the g query heads of a KV head are adjacent in a token-major q, so q viewed as
+    [B, Hkv, g, D] is g query rows against that KV head's K and V ([B, Hkv, L, D] views, no
+    mask, no enable_gqa), and every K and V row is read once per group rather than once per
+    query head. Only for one query row per head (q_len = 1, which sees every key) with g > 1:
+    other problems are peer-torch-sdpa's."""
+
+    name = "peer-torch-sdpa-grouped"
+
+    def why_unsupported(self, p: Problem) -> str | None:
+        if p.q_len != 1 or p.kv_heads == p.q_heads:
+            return "not a grouped-query decode step (q_len 1, g > 1): see peer-torch-sdpa"
+        return super().why_unsupported(p)
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        torch = self.torch
+        torch.set_num_threads(threads)
+        b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim
+        # [B, 1, H, D] -> [B, Hkv, g, D]: splits the head axis, a view for any strides.
+        q = torch.from_numpy(t.q[0]).view(b, hkv, g, d)
+        kv = [[torch.from_numpy(x).permute(0, 2, 1, 3) for x in xs] for xs in (t.k, t.v)]
+        self.out = None
+
+        def call(c: int) -> None:
+            k, v = (xs[c % len(xs)] for xs in kv)
+            with torch.inference_mode():
+                self.out = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                            scale=p.scale)
+
+        return call
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        t.o[...] = self.out.reshape(p.batch, 1, p.q_heads, p.head_dim).numpy()
+
+
 class _Ort(Peer):
     package = "onnxruntime"
 
@@ -444,7 +480,8 @@ class TorchLayer(LayerPeer):
         t.y[...] = self.y.numpy()
 
 
-ATTENTION: list[type[Peer]] = [TorchSdpa, OrtAttention, OrtGqa, OpenVinoSdpa]
+ATTENTION: list[type[Peer]] = [TorchSdpa, TorchSdpaGrouped, OrtAttention, OrtGqa,
+                               OpenVinoSdpa]
 GEMM: list[type[GemmPeer]] = [TorchMatmul]
 LAYER: list[type[LayerPeer]] = [TorchLayer]
 ALL: list[type[Framework]] = [*ATTENTION, *GEMM, *LAYER]  # the server's peers, in this order
