@@ -246,6 +246,51 @@ class OrtAttention(_Ort):
             t.o[...] = self.out.reshape(t.o.shape)
 
 
+class OrtAttentionGrouped(OrtAttention):
+    """The same operator on a grouped-query decode step in the folded form (as
+    peer-torch-sdpa-grouped): Q [B, Hkv, g, D], the g query heads of a KV head as g query
+    rows, against K and V [B, Hkv, L, D] with q_num_heads = kv_num_heads = Hkv and no mask,
+    so every K and V row is read once per group. Only for q_len = 1 with g > 1."""
+
+    name = "peer-ort-attention-grouped"
+
+    def why_unsupported(self, p: Problem) -> str | None:
+        if p.q_len != 1 or p.kv_heads == p.q_heads:
+            return "not a grouped-query decode step (q_len 1, g > 1): see peer-ort-attention"
+        return super().why_unsupported(p)
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        from onnx import TensorProto, helper
+
+        b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim
+        # [B, 1, H, D] -> [B, Hkv, g, D]: the same memory for a dense q.
+        q = [as_token_major(x).reshape(b, hkv, g, d) for x in t.q]
+        inputs = [q] + [[as_head_major(x) for x in xs] for xs in (t.k, t.v)]
+        names = ["Q", "K", "V"]
+        feeds = [[self.value(x) for x in xs] for xs in inputs]
+        graph_inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(f[0].shape()))
+                        for n, f in zip(names, feeds)]
+        graph = helper.make_graph(
+            [helper.make_node("Attention", names, ["O"], q_num_heads=hkv, kv_num_heads=hkv,
+                              scale=p.scale, is_causal=0)],
+            "attention", graph_inputs,
+            [helper.make_tensor_value_info("O", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+        session = self.session(model, threads)
+        self.out = np.empty((b, hkv, g, d), dtype=np.float32)
+        bindings = []
+        for c in range(t.copies):
+            io = session.io_binding()
+            for n, f in zip(names, feeds):
+                io.bind_ortvalue_input(n, f[c % len(f)])
+            io.bind_ortvalue_output("O", self.value(self.out))
+            bindings.append(io)
+        return lambda c: session.run_with_iobinding(bindings[c % len(bindings)])
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        t.o[...] = self.out.reshape(p.batch, 1, p.q_heads, p.head_dim)
+
+
 class OrtGqa(_Ort):
     """ONNX Runtime's com.microsoft GroupQueryAttention, its fused operator for LLM
     attention: always causal, bottom-right through the KV cache. Prefill (q_len == kv_len)
@@ -480,8 +525,8 @@ class TorchLayer(LayerPeer):
         t.y[...] = self.y.numpy()
 
 
-ATTENTION: list[type[Peer]] = [TorchSdpa, TorchSdpaGrouped, OrtAttention, OrtGqa,
-                               OpenVinoSdpa]
+ATTENTION: list[type[Peer]] = [TorchSdpa, TorchSdpaGrouped, OrtAttention, OrtAttentionGrouped,
+                               OrtGqa, OpenVinoSdpa]
 GEMM: list[type[GemmPeer]] = [TorchMatmul]
 LAYER: list[type[LayerPeer]] = [TorchLayer]
 ALL: list[type[Framework]] = [*ATTENTION, *GEMM, *LAYER]  # the server's peers, in this order

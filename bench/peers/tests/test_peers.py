@@ -101,10 +101,10 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     p = make_problem(**CASES[case])
     why = peer.why_unsupported(p)
     if why is not None:
-        # The peers that decline: ORT's GQA operator (causal only), the grouped torch form
+        # The peers that decline: ORT's GQA operator (causal only), the grouped forms
         # (grouped-query decode steps only).
         assert ((cls.name == "peer-ort-gqa" and not p.causal)
-                or (cls.name == "peer-torch-sdpa-grouped"
+                or (cls.name.endswith("-grouped")
                     and (p.q_len != 1 or p.kv_heads == p.q_heads)))
         pytest.skip(why)
     rng = np.random.default_rng(7)
