@@ -201,8 +201,6 @@ class OrtAttention(_Ort):
     name = "peer-ort-attention"
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
-        from onnx import TensorProto, helper
-
         four_d = is_head_major(t.k[0]) or is_head_major(t.v[0])
         if four_d:
             inputs = [[as_head_major(x) for x in xs] for xs in (t.q, t.k, t.v)]
@@ -216,6 +214,18 @@ class OrtAttention(_Ort):
             feeds.append([self.value(p.visible())])
         attrs = dict(q_num_heads=p.q_heads, kv_num_heads=p.kv_heads, scale=p.scale,
                      is_causal=int(p.mask is Mask.CAUSAL))
+        shape = ((p.batch, p.q_heads, p.q_len, p.head_dim) if four_d
+                 else (p.batch, p.q_len, p.q_heads * p.head_dim))
+        self.four_d = four_d
+        return self.attention_call(names, feeds, attrs, shape, threads, t.copies)
+
+    def attention_call(self, names: list[str], feeds: list[list[object]], attrs: dict,
+                       out_shape: tuple[int, ...], threads: int, copies: int) -> Call:
+        """A session of one Attention node (attributes attrs) on the named inputs, feeds
+        holding each input's OrtValues (one per copy, or one for all), its output bound to
+        self.out (out_shape): the call on copy c."""
+        from onnx import TensorProto, helper
+
         graph_inputs = [
             helper.make_tensor_value_info(n, TensorProto.BOOL if n == "attn_mask"
                                           else TensorProto.FLOAT, list(f[0].shape()))
@@ -226,12 +236,9 @@ class OrtAttention(_Ort):
             [helper.make_tensor_value_info("O", TensorProto.FLOAT, None)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
         session = self.session(model, threads)
-        shape = ((p.batch, p.q_heads, p.q_len, p.head_dim) if four_d
-                 else (p.batch, p.q_len, p.q_heads * p.head_dim))
-        self.out = np.empty(shape, dtype=np.float32)
-        self.four_d = four_d
+        self.out = np.empty(out_shape, dtype=np.float32)
         bindings = []
-        for c in range(t.copies):
+        for c in range(copies):
             io = session.io_binding()
             for n, f in zip(names, feeds):
                 io.bind_ortvalue_input(n, f[c % len(f)])
@@ -260,32 +267,14 @@ class OrtAttentionGrouped(OrtAttention):
         return super().why_unsupported(p)
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
-        from onnx import TensorProto, helper
-
         b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim
         # [B, 1, H, D] -> [B, Hkv, g, D]: the same memory for a dense q.
         q = [as_token_major(x).reshape(b, hkv, g, d) for x in t.q]
         inputs = [q] + [[as_head_major(x) for x in xs] for xs in (t.k, t.v)]
-        names = ["Q", "K", "V"]
         feeds = [[self.value(x) for x in xs] for xs in inputs]
-        graph_inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(f[0].shape()))
-                        for n, f in zip(names, feeds)]
-        graph = helper.make_graph(
-            [helper.make_node("Attention", names, ["O"], q_num_heads=hkv, kv_num_heads=hkv,
-                              scale=p.scale, is_causal=0)],
-            "attention", graph_inputs,
-            [helper.make_tensor_value_info("O", TensorProto.FLOAT, None)])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
-        session = self.session(model, threads)
-        self.out = np.empty((b, hkv, g, d), dtype=np.float32)
-        bindings = []
-        for c in range(t.copies):
-            io = session.io_binding()
-            for n, f in zip(names, feeds):
-                io.bind_ortvalue_input(n, f[c % len(f)])
-            io.bind_ortvalue_output("O", self.value(self.out))
-            bindings.append(io)
-        return lambda c: session.run_with_iobinding(bindings[c % len(bindings)])
+        attrs = dict(q_num_heads=hkv, kv_num_heads=hkv, scale=p.scale, is_causal=0)
+        return self.attention_call(["Q", "K", "V"], feeds, attrs, (b, hkv, g, d), threads,
+                                   t.copies)
 
     def write_output(self, p: Problem, t: Tensors) -> None:
         t.o[...] = self.out.reshape(p.batch, 1, p.q_heads, p.head_dim)
