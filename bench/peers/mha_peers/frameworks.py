@@ -130,7 +130,19 @@ class TorchSdpa(Peer):
         t.o[...] = self.out.permute(0, 2, 1, 3).numpy()
 
 
-class TorchSdpaGrouped(TorchSdpa):
+class _Grouped:
+    """The folded form of a peer, for grouped-query decode steps only (Problem.grouped_decode):
+    mixed in before the plain peer's class, named `plain`, which serves every other problem."""
+
+    plain = ""
+
+    def why_unsupported(self, p: Problem) -> str | None:
+        if not p.grouped_decode:
+            return f"not a grouped-query decode step (q_len 1, g > 1): see {self.plain}"
+        return super().why_unsupported(p)  # type: ignore[misc]
+
+
+class TorchSdpaGrouped(_Grouped, TorchSdpa):
     """The same operator on a grouped-query decode step as a performance-minded user passes
     it: the g query heads of a KV head are adjacent in a token-major q, so q viewed as
     [B, Hkv, g, D] is g query rows against that KV head's K and V ([B, Hkv, L, D] views, no
@@ -139,11 +151,7 @@ class TorchSdpaGrouped(TorchSdpa):
     other problems are peer-torch-sdpa's."""
 
     name = "peer-torch-sdpa-grouped"
-
-    def why_unsupported(self, p: Problem) -> str | None:
-        if p.q_len != 1 or p.kv_heads == p.q_heads:
-            return "not a grouped-query decode step (q_len 1, g > 1): see peer-torch-sdpa"
-        return super().why_unsupported(p)
+    plain = TorchSdpa.name
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         torch = self.torch
@@ -253,18 +261,14 @@ class OrtAttention(_Ort):
             t.o[...] = self.out.reshape(t.o.shape)
 
 
-class OrtAttentionGrouped(OrtAttention):
+class OrtAttentionGrouped(_Grouped, OrtAttention):
     """The same operator on a grouped-query decode step in the folded form (as
     peer-torch-sdpa-grouped): Q [B, Hkv, g, D], the g query heads of a KV head as g query
     rows, against K and V [B, Hkv, L, D] with q_num_heads = kv_num_heads = Hkv and no mask,
     so every K and V row is read once per group. Only for q_len = 1 with g > 1."""
 
     name = "peer-ort-attention-grouped"
-
-    def why_unsupported(self, p: Problem) -> str | None:
-        if p.q_len != 1 or p.kv_heads == p.q_heads:
-            return "not a grouped-query decode step (q_len 1, g > 1): see peer-ort-attention"
-        return super().why_unsupported(p)
+    plain = OrtAttention.name
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim

@@ -55,6 +55,12 @@ class Problem:
             return Mask.CAUSAL  # top-left and bottom-right agree
         return Mask.EXPLICIT
 
+    @property
+    def grouped_decode(self) -> bool:
+        """One query row per head (q_len 1, which sees every key) and g > 1 query heads per
+        KV head: a step whose g query heads the grouped peers fold into g query rows."""
+        return self.q_len == 1 and self.kv_heads < self.q_heads
+
     def visible(self) -> np.ndarray:
         """[q_len, kv_len] booleans: True where query row i sees key j."""
         rows = np.arange(self.q_len)[:, None]
