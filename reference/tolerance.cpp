@@ -2,22 +2,33 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <limits>
+#include <vector>
 
 namespace mha::ref {
 
 namespace {
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24, unit roundoff of fp32
-}
+// The depths below a row's top logit tried as the split of step 3, and the margin (in logit
+// units) by which a key below the split still counts as big.
+constexpr double kDepths[] = {8.0, 12.0, 16.0, 20.0, 24.0, 32.0, 48.0, 64.0, 88.0};
+constexpr double kMargin = 1e-3;
+}  // namespace
 
 double gamma(double n) { return n * kU / (1.0 - n * kU); }
 
 double weight_shift(double eta) { return eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0; }
 
-double accumulation_factor(double n) {
-  const double g = gamma(2.0 * n + 2.0);
-  const double quotient = 2.0 * g / (1.0 - g);
+double accumulation_factor(double n, double big, double small_mass) {
+  const double g = gamma(2.0 * big + 2.0);
+  const double e = g + (1.0 + 2.0 * gamma(2.0 * n + 2.0)) * small_mass;
+  if (e >= 0.5) return 2.0;  // more than the output's range: no information
+  const double quotient = 2.0 * e / (1.0 - e);
   return quotient + kU * (1.0 + quotient) + n * std::ldexp(1.0, -125);
 }
+
+double accumulation_factor(double n) { return accumulation_factor(n, n, 0.0); }
 
 double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp) {
   const double delta = gamma(static_cast<double>(head_dim) + 5.0) * a;
@@ -38,6 +49,7 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
   t.v_max.assign(rows, 0.0);
   const std::int64_t group = p.q_heads / p.kv_heads;
   const double scale = std::fabs(static_cast<double>(p.scale));
+  std::vector<double> logit;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
@@ -45,27 +57,65 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
         const std::int64_t n = visible_keys(p, i);
         if (n == 0) continue;  // exact zeros and -inf are required
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
-        double a = 0.0, vmax = 0.0;
+        // Exact logits, A, V and the most nonzero products of a dot product.
+        double a = 0.0, vmax = 0.0, top = -std::numeric_limits<double>::infinity();
+        std::int64_t nonzero = 0;
+        logit.resize(static_cast<std::size_t>(n));
         for (std::int64_t j = 0; j < n; ++j) {
           const float* k_row = k + b * p.k.batch + j * p.k.seq + kv_head * p.k.head;
           const float* v_row = v + b * p.v.batch + j * p.v.seq + kv_head * p.v.head;
-          double abs_dot = 0.0;
+          double dot = 0.0, abs_dot = 0.0;
+          std::int64_t products = 0;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            abs_dot += std::fabs(static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]));
+            const double x = static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
+            dot += x;
+            abs_dot += std::fabs(x);
+            products += x != 0.0 ? 1 : 0;
             vmax = std::max(vmax, std::fabs(static_cast<double>(v_row[d])));
           }
           a = std::max(a, scale * abs_dot);
+          nonzero = std::max(nonzero, products);
+          logit[static_cast<std::size_t>(j)] = static_cast<double>(p.scale) * dot;
+          top = std::max(top, logit[static_cast<std::size_t>(j)]);
         }
         const double u = kU;
-        const double delta = gamma(static_cast<double>(p.head_dim) + 5.0) * a;
+        const double delta = gamma(static_cast<double>(nonzero) + 5.0) * a;
         const double eta = std::exp(delta) * (1.0 + exp_ulp * 2.0 * u) - 1.0;
-        const double g = gamma(2.0 * static_cast<double>(n) + 2.0);
-        const double accumulation = accumulation_factor(static_cast<double>(n));
+        // Step 3 over the keys within `depth` of the top logit, the rest as small mass: the
+        // split that gives the smallest bound (depth infinite: every key counted, no mass).
+        double big = static_cast<double>(n), small_mass = 0.0;
+        double accumulation = accumulation_factor(big);
+        if (std::isfinite(top)) {
+          constexpr std::size_t kSplits = std::size(kDepths);
+          double sum = 0.0, mass[kSplits] = {};
+          std::int64_t count[kSplits] = {};
+          for (double x : logit) {
+            const double w = std::exp(x - top);
+            sum += w;
+            for (std::size_t s = 0; s < kSplits; ++s) {
+              // Keys just below the depth, whose computed logits may still raise the
+              // running max, count as big too.
+              if (x - top >= -kDepths[s] - 4.0 * delta - kMargin) ++count[s];
+              if (x - top < -kDepths[s]) mass[s] += w;
+            }
+          }
+          for (std::size_t s = 0; s < kSplits; ++s) {
+            const double m = mass[s] / sum * (1.0 + eta) / (1.0 - std::min(eta, 0.5));
+            const double f =
+                accumulation_factor(static_cast<double>(n), static_cast<double>(count[s]), m);
+            if (f < accumulation) {
+              accumulation = f;
+              big = static_cast<double>(count[s]);
+              small_mass = m;
+            }
+          }
+        }
+        const double g = gamma(2.0 * big + 2.0) + (1.0 + 2.0 * gamma(2.0 * n + 2.0)) * small_mass;
         const std::size_t r = t.row(b, h, i);
         t.v_max[r] = vmax;
         t.accumulation[r] = accumulation * vmax;
-        t.o[r] = o_bound(a, vmax, n, p.head_dim, exp_ulp);
-        t.lse[r] = std::log1p(eta) - std::log1p(-g) +
+        t.o[r] = (weight_shift(eta) + accumulation) * vmax;
+        t.lse[r] = std::log1p(eta) - std::log1p(-std::min(g, 0.5)) +
                    (4.0 + exp_ulp) * 2.0 * u * (a + std::log(static_cast<double>(n)) + 1.0);
       }
     }

@@ -9,10 +9,11 @@
 //
 // 1. Logits. With A = |scale| * max_j sum_d |q_d k_jd| over the visible keys, a kernel's
 //    computed exponent x_j = s_j - m (or its base-2 form) is off by at most
-//      delta = gamma(D + 5) * A
-//    from the exact one: D roundings in the dot product, one for the scale (or for
-//    pre-scaling q), two for a log2(e) factor and its rounded constant, and the subtraction
-//    of the max, whose result is at most 2A in magnitude (counted as two more).
+//      delta = gamma(Z + 5) * A
+//    from the exact one: Z <= D roundings in the dot product, Z the most nonzero products
+//    q_d k_jd of any key (a product or sum with an exact zero is exact), one for the scale
+//    (or for pre-scaling q), two for a log2(e) factor and its rounded constant, and the
+//    subtraction of the max, whose result is at most 2A in magnitude (counted as two more).
 //    Any common shift of all x_j cancels in the softmax, so which max is subtracted (the
 //    true one or a running one) does not matter.
 // 2. Weights. w_j = exp(x_j) then has relative error at most
@@ -27,19 +28,33 @@
 //    computed with relative error gamma(M), M = 2n + 2: n - 1 additions, the products,
 //    and up to n rescalings by a running-max correction (online softmax applies the same
 //    factor to both, so the factor's own exp error cancels; its roundings do not). Their
-//    quotient is then within 2 gamma(M) / (1 - gamma(M)) * V of step 2's value, and the
+//    quotient is then within 2 e / (1 - e) * V of step 2's value, e = gamma(M), and the
 //    division rounds once more (u * (1 + that) * V).
+//    Keys far below the row's top logit tighten this. An addition in round-to-nearest errs
+//    by at most u |a + b| and by at most min(|a|, |b|) (a and b are representable). Split
+//    the keys at a depth T below the top exact logit: a key is small when x_j < -T, big
+//    otherwise (also within 4 delta + 1e-3 below -T: its computed logit may still raise the
+//    running max). In any order of summation only additions of two partial sums that both
+//    hold a big key can err by u |a + b|, at most n_big - 1 of them; the others add a partial
+//    sum of small keys, and err by at most its value. The running max rises only at big
+//    keys once one was seen, and a rescale before that scales small keys alone (a rescale by
+//    exp(0) = 1 is exact). So e = gamma(2 n_big + 2) + (1 + 2 gamma(2n + 2)) P_small, with
+//    P_small the small keys' share of the weights (their exact share, times
+//    (1 + eta) / (1 - eta) for step 2's perturbation). The bound takes the depth T (from 8 to
+//    88, or none: every key big, P_small = 0) that gives the smallest e. With uniform inputs
+//    no key is small and e = gamma(2n + 2) ~ 4 n u; with a few keys per row within reach of
+//    the top, e depends on those only, and a check at 131072 keys can see one of a few
+//    hundred keys go missing (bench/main.cpp, reference/sensitive.h).
 // 4. Underflow. Weights below 2^-126 may flush to zero in vectorized exps; relative to the
 //    largest weight (1) each loses at most 2^-125, so n * 2^-125 * V more.
 //
-//    tol_o   = [min(2, 2 eta/(1-eta)) + 2 gamma(M)/(1-gamma(M)) + u (1 + 2 gamma(M)/(1-gamma(M)))
-//               + n 2^-125] * V
+//    tol_o   = [min(2, 2 eta/(1-eta)) + 2 e/(1-e) + u (1 + 2 e/(1-e)) + n 2^-125] * V
 //
 // 5. lse = m + log(sum_j w_j). The log of the perturbed sum is off by at most
 //    log(1 + eta) - log(1 - gamma(M)); adding m and taking the log (and a base change for
 //    exp2-based kernels) round a few times more on values at most |m| + log(n) <= A + log n:
 //
-//    tol_lse = log(1 + eta) - log(1 - gamma(M)) + (4 + exp_ulp) * 2u * (A + log(n) + 1)
+//    tol_lse = log(1 + eta) - log(1 - e) + (4 + exp_ulp) * 2u * (A + log(n) + 1)
 //
 // Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
 // loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
@@ -76,6 +91,10 @@ double weight_shift(double eta);
 
 /// Steps 3 and 4 as a relative factor, for n terms: the accumulation bound divided by V.
 double accumulation_factor(double n);
+
+/// The same with `big` of the n keys big and the small ones' share of the weights
+/// `small_mass` (step 3's split); 2 (no information) when e reaches 1/2.
+double accumulation_factor(double n, double big, double small_mass);
 
 /// tol_o of one row with n >= 1 visible keys, A and V as above, head_dim D and the kernel's
 /// exp_ulp (what tolerance() computes per row).
