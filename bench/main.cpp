@@ -34,6 +34,7 @@
 #include "peers.h"
 #include "probe.h"
 #include "reference.h"
+#include "sensitive.h"
 #include "tolerance.h"
 
 #if MHA_HAVE_OPENBLAS
@@ -277,7 +278,9 @@ std::vector<Impl> implementations() {
 // ---------------------------------------------------------------------------------------
 // Inputs: allocated and first-touched outside the timed loop, kept across the repeated
 // calls Google Benchmark makes for one benchmark, and rotated over enough copies to read
-// cold data when the KV cache is beyond the last-level cache.
+// cold data when the KV cache is beyond the last-level cache. Their values are
+// reference/sensitive.h's, on which the check below sees a dropped KV tile or 1% of the keys
+// at every length (no kernel's or peer's speed depends on the values).
 
 // Tensors live in shared memory (peers.h: memfd mappings), so that the framework peers read
 // the very inputs the kernels read, in place. They start on a page boundary, hence on a
@@ -298,17 +301,6 @@ struct Workspace {
   std::map<std::int64_t, ref::Result> want;
   std::map<std::pair<std::int64_t, double>, ref::Tolerance> tol;
 };
-
-void fill(Tensor& x, std::uint64_t seed) {
-  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (float& f : x) {  // xorshift: cheap, and touches every page
-    s ^= s << 13;
-    s ^= s >> 7;
-    s ^= s << 17;
-    f = static_cast<float>(static_cast<double>(s >> 40) / static_cast<double>(1ull << 24) * 2.0 -
-                           1.0);
-  }
-}
 
 std::int64_t kv_bytes(const Problem& p) {
   return p.batch * p.kv_heads * p.kv_len * p.head_dim * 2 *
@@ -346,18 +338,17 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
     w.q.emplace_back(static_cast<std::size_t>(q_extent(w.p)));
     w.k.emplace_back(static_cast<std::size_t>(k_extent(w.p)));
     w.v.emplace_back(static_cast<std::size_t>(v_extent(w.p)));
-    fill(w.q.back(), 3 * static_cast<std::uint64_t>(c) + 1);
-    fill(w.k.back(), 3 * static_cast<std::uint64_t>(c) + 2);
-    fill(w.v.back(), 3 * static_cast<std::uint64_t>(c) + 3);
+    ref::SensitiveInputs(w.p, static_cast<std::uint64_t>(c) + 1)
+        .fill(w.q.back().data(), w.k.back().data(), w.v.back().data());
   }
   w.o.assign(static_cast<std::size_t>(o_extent(w.p)), 0.0f);
   w.lse.assign(static_cast<std::size_t>(lse_extent(w.p)), 0.0f);
   return w;
 }
 
-// Compares sampled rows of w.o and w.lse (first, middle, last query row of every head) with
-// the reference under the shared tolerance, for an implementation whose exp errs by at most
-// `exp_ulp`; lse only when `check_lse`. Empty when they agree.
+// Compares sampled rows of w.o and w.lse (first, middle, last query row of every head: every
+// row of a decode) with the reference under the shared tolerance, for an implementation whose
+// exp errs by at most `exp_ulp`; lse only when `check_lse`. Empty when they agree.
 std::string compare_with_reference(Workspace& w, double exp_ulp, bool check_lse) {
   const Problem& p = w.p;
   for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {

@@ -6,6 +6,8 @@
 #include <random>
 #include <sstream>
 
+#include "sensitive.h"
+
 namespace mha::test {
 
 Strides padded_strides(Layout layout, std::int64_t batch, std::int64_t len, std::int64_t heads,
@@ -115,6 +117,26 @@ Inputs make_inputs(const Case& c) {
   const std::int64_t dominant =
       static_cast<std::int64_t>(c.seed % static_cast<std::uint64_t>(p.kv_len));
 
+  if (c.values == Values::sensitive) {  // reference/sensitive.h, written through p's strides
+    const ref::SensitiveInputs values(p, c.seed);
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t l = 0; l < p.q_len; ++l) {
+        for (std::int64_t h = 0; h < H; ++h) {
+          values.q_row(b, l, h, q + b * p.q.batch + l * p.q.seq + h * p.q.head);
+        }
+      }
+      for (std::int64_t l = 0; l < p.kv_len; ++l) {
+        for (std::int64_t h = 0; h < Hkv; ++h) {
+          values.k_row(b, l, h, k + b * p.k.batch + l * p.k.seq + h * p.k.head);
+          if (c.storage != Storage::shared_kv) {
+            values.v_row(b, l, h, v + b * p.v.batch + l * p.v.seq + h * p.v.head);
+          }
+        }
+      }
+    }
+    in.before = in.arena.snapshot();
+    return in;
+  }
   for_each_element(B, p.q_len, H, D, [&](auto b, auto l, auto h, auto d) {
     float x = a * unit(rng);
     if (c.values == Values::dominant_key && d == 0) x = 1.0f;

@@ -38,6 +38,8 @@ const char* name(Values v) {
       return "equal_keys";
     case Values::constant_v:
       return "constant_v";
+    case Values::sensitive:
+      return "sensitive";
   }
   return "?";
 }
@@ -103,8 +105,8 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
     Case c;
     Problem& p = c.p;
     const Shape& s = o.shape;
-    const bool long_case =
-        s.long_cases && !o.q_longer && !o.equal_lengths && *unsized(rc::gen::inRange(0, 16)) == 0;
+    const bool long_case = o.long_decode || (s.long_cases && !o.q_longer && !o.equal_lengths &&
+                                             *unsized(rc::gen::inRange(0, 16)) == 0);
     // 1 in 4 of the others: the keys cross into a second or third KV tile of the 128-key
     // kernels (avx2, avx512, xsimd): a second tile of 1 key, of a whole tile and one off, or
     // max_len keys; cheap, their work capped at a sixteenth by D and q_len, not by the keys.
@@ -126,17 +128,31 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
     if (long_case) {
       p.batch = 1;
       p.q_len = *unsized(rc::gen::inRange<std::int64_t>(1, 4));
-      // A power of two from 256 to 32768 or one off it, not sized: many KV tiles (the decode
-      // paths' are 16 to 256 keys) and the driver's split-KV chunks. Drawn by gen_size like
-      // the other sizes, 19 in 20 of these cases had at most 300 keys, and mutants of the
-      // decode paths' rescale survived 100 cases in 7 to 9 seeds of 100.
-      const int doubling = *unsized(rc::gen::inRange(8, 16));
+      // A power of two from 256 to 131072 (the longest decode the benchmarks run) or one off
+      // it, not sized: many KV tiles (the decode paths' are 16 to 256 keys) and the driver's
+      // split-KV chunks. Drawn by gen_size like the other sizes, 19 in 20 of these cases had
+      // at most 300 keys, and mutants of the decode paths' rescale survived 100 cases in 7 to
+      // 9 seeds of 100. Half of them take the sensitive values (below), on which a dropped
+      // tile or key shows at any length.
+      const int doubling = *unsized(rc::gen::inRange(o.long_decode ? 14 : 8, 18));
       p.kv_len = std::min<std::int64_t>(
-          32768, (std::int64_t{1} << doubling) + *unsized(rc::gen::inRange<std::int64_t>(-1, 2)));
+          131072, (std::int64_t{1} << doubling) + *unsized(rc::gen::inRange<std::int64_t>(-1, 2)));
       p.head_dim = *gen_size(1, 4096);
       // A sixteenth of the others' cap: the memory of long K and V, laid out, guarded and
       // compared after every call, costs more than the arithmetic.
       max_work /= 16.0;
+      if (o.long_decode) {  // a quarter of the cap, spent on length: D and Lq shrink first
+        p.head_dim = *gen_size(8, 256);
+        max_work = s.max_work / 4.0;
+        while (p.head_dim > 8 && (work(p) > max_work ||
+                                  p.kv_len * p.kv_heads * p.head_dim > (std::int64_t{1} << 21))) {
+          p.head_dim = std::max<std::int64_t>(8, p.head_dim / 2);
+        }
+        if (work(p) > max_work) p.q_len = 1;
+        while (p.kv_len * p.kv_heads * p.head_dim > (std::int64_t{1} << 21)) {
+          p.kv_len = (p.kv_len + 1) / 2;
+        }
+      }
     } else {
       p.batch = *gen_size(1, s.max_batch);
       p.head_dim = *gen_size(1, s.max_dim);
@@ -199,7 +215,16 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
                                                             {2, Values::large_logits},
                                                             {1, Values::dominant_key},
                                                             {1, Values::equal_keys},
-                                                            {1, Values::constant_v}}));
+                                                            {1, Values::constant_v},
+                                                            {1, Values::sensitive}}));
+      if (o.long_decode || (long_case && *unsized(rc::gen::arbitrary<bool>()))) {
+        c.values = Values::sensitive;
+      }
+      // Sensitive k and v are different values, and a dominant key is one batch's.
+      if (c.values == Values::sensitive &&
+          (c.storage == Storage::shared_kv || c.storage == Storage::broadcast_batch)) {
+        c.storage = Storage::separate;
+      }
     }
     if (c.values == Values::large_logits) {
       // q, k uniform in [-a, a]: logits have standard deviation about a^2/3 * |scale| *

@@ -17,6 +17,7 @@ enum class Values {
   dominant_key,  ///< one key's logit exceeds all others' by about 50 in every row
   equal_keys,    ///< every key of a head equal: all logits of a row equal
   constant_v,    ///< v constant along the sequence (per head and column)
+  sensitive,     ///< reference/sensitive.h: each row's output hangs on a few hundred keys
 };
 
 /// How q, k and v sit in memory.
@@ -50,7 +51,7 @@ struct Shape {
   std::int64_t max_len = 300;
   std::int64_t max_dim = 300;
   double max_work = 16777216.0;  ///< cap on B * H * Lq * Lk * D (2^24)
-  bool long_cases = true;        ///< 1 in 16: Lq <= 3, Lk <= 32768, D <= 4096
+  bool long_cases = true;        ///< 1 in 16: Lq <= 3, Lk <= 131072, D <= 4096
 };
 
 /// Options for the case generator beyond shape.
@@ -63,6 +64,9 @@ struct CaseOptions {
   bool any_values = true;      ///< vary Values; false keeps uniform
   bool any_scale = true;       ///< sometimes a non-default (possibly negative) scale
   bool equal_lengths = false;  ///< force q_len == kv_len (prefill)
+  /// Only long decodes: Lq <= 3, Lk from 16383 to 131072, the sensitive values (reference/
+  /// sensitive.h), work up to shape.max_work / 4 and K up to 2^21 floats.
+  bool long_decode = false;
 };
 
 rc::Gen<Case> gen_case(const CaseOptions& options = CaseOptions());

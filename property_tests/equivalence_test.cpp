@@ -34,6 +34,16 @@ TEST_P(Equivalence, CausalPrefill) {  // Lq == Lk, the usual lower triangle
   check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
 }
 
+// Decodes of 16k to 128k keys on values where every row hangs on a few hundred keys: a
+// kernel that drops a KV tile or 1% of the keys there fails (reference/sensitive.h). 25
+// cases (about 1.5 s natively): the planted long-decode bugs (mutants/CMakeLists.txt) fail
+// the first or second.
+TEST_P(Equivalence, LongDecode) {
+  CaseOptions options;
+  options.long_decode = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); }, 25);
+}
+
 MHA_INSTANTIATE_FOR_KERNELS(Equivalence);
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <mha/registry.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -60,6 +61,25 @@ void check_equivalence(const KernelInfo& kernel, const Case& c);
 template <typename Testable>
 void check_property(Testable&& testable) {
   rc::detail::checkGTest(std::forward<Testable>(testable));
+}
+
+/// The same with at most `most_cases` cases (fewer when RC_PARAMS asks for fewer), for a
+/// property whose cases are costly.
+template <typename Testable>
+void check_property(Testable&& testable, int most_cases) {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  rc::detail::TestMetadata metadata;
+  metadata.id = std::string(info->test_suite_name()) + "/" + info->name();
+  metadata.description = info->name();
+  rc::detail::TestParams params = rc::detail::configuration().testParams;
+  params.maxSuccess = std::min(params.maxSuccess, most_cases);
+  const rc::detail::TestResult result = rc::detail::checkProperty(
+      rc::detail::toProperty(std::forward<Testable>(testable)), metadata, params);
+  if (!result.template is<rc::detail::SuccessResult>()) {
+    std::ostringstream message;
+    rc::detail::printResultMessage(result, message);
+    FAIL() << message.str();
+  }
 }
 
 }  // namespace mha::test
