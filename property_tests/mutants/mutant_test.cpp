@@ -107,12 +107,17 @@ const KernelInfo* stand_in(const Mutant& m, KernelInfo& info, std::string& why_n
   return &info;
 }
 
-/// The properties that must catch m, in the order they are tried: a kernel's equivalence; the
+/// The properties that must catch m, in the order they are tried: a kernel's equivalence, then
+/// on long decodes (equivalence_test.cpp's LongDecode); the
 /// driver's split-KV property first (most driver mutants are in the split), then the reference
 /// and the thread-count ones, with the best kernel of this machine as the driver's worker.
 std::vector<Property> properties(const KernelInfo& kernel, const ParallelDriver* driver) {
   if (driver == nullptr) {
-    return {{"equivalence", [kernel] { check_equivalence(kernel, *gen_case()); }}};
+    CaseOptions long_decode;
+    long_decode.long_decode = true;
+    return {{"equivalence", [kernel] { check_equivalence(kernel, *gen_case()); }},
+            {"long decode",
+             [kernel, long_decode] { check_equivalence(kernel, *gen_case(long_decode)); }}};
   }
   const ParallelDriver d = *driver;
   return {
