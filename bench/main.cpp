@@ -451,13 +451,59 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   if (limit > 0) state.counters["bw_frac"] = gbps / limit;
 }
 
+// --plant=BUG, a self-test of the check above: every implementation's answer (kernels',
+// baselines', peers') is made wrong before the check, as a bug would make it, and the run
+// succeeds only if the check rejects it in every benchmark (a benchmark it passes is timed
+// and reported as an escape). zeros: o all zeros; last-tile: a decode of more than 16384
+// keys without its last 128 keys; first-percent: without the first 1% of the keys.
+enum class Plant { none, zeros, last_tile, first_percent };
+Plant g_plant = Plant::none;
+int g_planted_caught = 0;  // benchmarks whose planted answer the check rejected
+
+// The keys an implementation with the planted bug reads: [first, first + count).
+struct PlantedKeys {
+  std::int64_t first = 0, count = 0;
+};
+PlantedKeys planted_keys(const Problem& p) {
+  if (g_plant == Plant::last_tile && p.q_len == 1 && p.kv_len > 16384) return {0, p.kv_len - 128};
+  if (g_plant == Plant::first_percent && p.kv_len >= 100) {
+    return {p.kv_len / 100, p.kv_len - p.kv_len / 100};
+  }
+  return {0, p.kv_len};
+}
+
+// `p` and its K and V as the planted bug sees them (the problem itself without a plant).
+Problem planted_problem(const Problem& p, const float*& k, const float*& v) {
+  const PlantedKeys keys = planted_keys(p);
+  Problem out = p;
+  out.kv_len = keys.count;
+  k += keys.first * p.k.seq;
+  v += keys.first * p.v.seq;
+  return out;
+}
+
+// The check's verdict with the plant: an error is the expected outcome (counted), a pass
+// is the escape the run must report.
+std::string planted_verdict(const std::string& error) {
+  if (g_plant == Plant::none) return error;
+  if (!error.empty()) {
+    ++g_planted_caught;
+    return "planted answer rejected: " + error;
+  }
+  return std::string();
+}
+
 void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, const Probe& probe) {
   Workspace& w = workspace(s, probe);
   static std::set<std::string> verified;
   const std::string name = s.name(impl.name);
   if (verified.count(name) == 0) {
-    impl.run(w.p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), w.lse.data(), s.threads);
-    const std::string error = compare_with_reference(w, impl.exp_ulp, /*check_lse=*/true);
+    const float *k = w.k[0].data(), *v = w.v[0].data();
+    const Problem planted = planted_problem(w.p, k, v);
+    impl.run(planted, w.q[0].data(), k, v, w.o.data(), w.lse.data(), s.threads);
+    if (g_plant == Plant::zeros) std::fill(w.o.begin(), w.o.end(), 0.0f);
+    const std::string error =
+        planted_verdict(compare_with_reference(w, impl.exp_ulp, /*check_lse=*/true));
     if (!error.empty()) {
       state.SkipWithError(error.c_str());
       return;
@@ -532,13 +578,18 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
   Workspace& w = workspace(s, probe);
   std::string why;
   std::fill(w.o.begin(), w.o.end(), std::numeric_limits<float>::quiet_NaN());
-  const double once = server.prepare(peer, w.p, s.threads, pointers(w.q), pointers(w.k),
-                                     pointers(w.v), w.o.data(), &why);
+  std::vector<const float*> k = pointers(w.k), v = pointers(w.v);
+  Problem planted = w.p;
+  for (std::size_t c = 0; c < k.size(); ++c) planted = planted_problem(w.p, k[c], v[c]);
+  const double once =
+      server.prepare(peer, planted, s.threads, pointers(w.q), k, v, w.o.data(), &why);
   if (once < 0) {
     state.SkipWithError((peer + ": " + why).c_str());
     return;
   }
-  const std::string error = compare_with_reference(w, kPeerExpUlp, /*check_lse=*/false);
+  if (g_plant == Plant::zeros) std::fill(w.o.begin(), w.o.end(), 0.0f);
+  const std::string error =
+      planted_verdict(compare_with_reference(w, kPeerExpUlp, /*check_lse=*/false));
   if (!error.empty()) {
     server.release();
     state.SkipWithError(error.c_str());
@@ -580,6 +631,7 @@ std::string slack_text() {
 
 bool g_probe_wrong = false;
 bool g_errors = false;
+std::vector<std::string> g_plant_escapes;  // --plant: runs whose planted answer was not rejected
 
 template <typename Base>
 class Checked : public Base {
@@ -589,6 +641,11 @@ class Checked : public Base {
     std::vector<benchmark::BenchmarkReporter::Run> checked = runs;
     for (auto& run : checked) {
       g_errors |= run.error_occurred;
+      if (g_plant != Plant::none) {
+        const bool caught =
+            run.error_occurred && run.error_message.rfind("planted answer rejected", 0) == 0;
+        if (!caught) g_plant_escapes.push_back(run.benchmark_name());
+      }
       for (const char* key : {"peak_frac", "bw_frac"}) {
         const auto it = run.counters.find(key);
         if (it != run.counters.end() && it->second.value > kClockSlack && !run.error_occurred) {
@@ -677,6 +734,22 @@ int main(int argc, char** argv) {
     }
     if (arg.rfind("--peers=", 0) == 0) {
       peers_command = arg.substr(8);
+      continue;
+    }
+    if (arg.rfind("--plant=", 0) == 0) {
+      const std::string bug = arg.substr(8);
+      if (bug == "zeros") {
+        g_plant = Plant::zeros;
+      } else if (bug == "last-tile") {
+        g_plant = Plant::last_tile;
+      } else if (bug == "first-percent") {
+        g_plant = Plant::first_percent;
+      } else {
+        std::fprintf(stderr,
+                     "mha_bench: --plant must be zeros, last-tile or first-percent, not '%s'\n",
+                     bug.c_str());
+        return 2;
+      }
       continue;
     }
     if (arg.rfind("--rounds=", 0) == 0) {
@@ -913,6 +986,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded %s: the probe is wrong\n",
                  slack_text().c_str());
     return 1;
+  }
+  if (g_plant != Plant::none) {
+    for (const std::string& name : g_plant_escapes) {
+      std::fprintf(stderr, "mha_bench: --plant: not rejected by the check: %s\n", name.c_str());
+    }
+    if (!g_plant_escapes.empty() || g_planted_caught == 0) return 1;
+    std::fprintf(stderr, "mha_bench: --plant: the check rejected the planted answer %d times\n",
+                 g_planted_caught);
+    return 0;
   }
   if (g_errors) {
     std::fprintf(stderr, "mha_bench: some benchmarks reported errors\n");

@@ -488,3 +488,35 @@ def test_peers_answer_only_their_own_kind() -> None:
     bad = LAYER_FIELDS.replace("kv_heads=1", "kv_heads=3")
     assert server.handle(f"supports_layer peer-torch-layer {bad}").startswith(
         "no kv_heads=3 does not divide")
+
+
+def test_bench_check_rejects_a_peer_returning_zeros() -> None:
+    """mha_bench --plant=zeros replaces each peer's answer by zeros before its output check
+    on a 131072-key decode: the check must reject it for every installed peer (the build's
+    mha_bench, or $MHA_BENCH)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    bench = Path(os.environ.get("MHA_BENCH", repo / "build" / "bench" / "mha_bench"))
+    if not bench.is_file():
+        pytest.skip(f"no mha_bench at {bench} (scripts/test.sh native builds it)")
+    installed = []
+    for cls in ATTENTION:
+        try:
+            cls().load()
+            installed.append(cls.name)
+        except ImportError:
+            pass
+    if not installed:
+        pytest.skip("no framework installed")
+    command = f"env PYTHONPATH={repo / 'bench' / 'peers'} {sys.executable} -m mha_peers"
+    run = subprocess.run(
+        [str(bench), "--plant=zeros", f"--peers={command}",
+         "--benchmark_filter=^decode/peer-.*/H:8/Hkv:1/Lq:1/Lk:131072/.*threads:1/"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rejected = run.stdout.count("planted answer rejected")
+    assert rejected >= len(installed), run.stdout[-2000:]  # each once, GQA only where causal
+    assert "not rejected" not in run.stderr
