@@ -64,7 +64,8 @@ Inputs make_inputs(const Case& c) {
   p = c.p;
   const std::int64_t B = p.batch, H = p.q_heads, Hkv = p.kv_heads, D = p.head_dim;
   p.q = padded_strides(c.q_layout, B, p.q_len, H, D, c.pad);
-  p.k = p.v = padded_strides(c.kv_layout, B, p.kv_len, Hkv, D, c.pad);
+  p.k = padded_strides(c.kv_layout, B, p.kv_len, Hkv, D, c.k_pad);
+  p.v = padded_strides(c.v_layout, B, p.kv_len, Hkv, D, c.v_pad);
   p.o = padded_strides(c.o_layout, B, p.q_len, H, D, c.pad);
   p.lse = {H * (p.q_len + c.pad) + c.pad, p.q_len + c.pad};
 

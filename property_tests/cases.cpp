@@ -91,9 +91,10 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
   const Problem& p = c.p;
   os << "B=" << p.batch << " H=" << p.q_heads << " Hkv=" << p.kv_heads << " Lq=" << p.q_len
      << " Lk=" << p.kv_len << " D=" << p.head_dim << " causal=" << p.causal
-     << " scale=" << std::setprecision(9) << p.scale << " layouts(q,kv,o)=" << name(c.q_layout)
-     << "," << name(c.kv_layout) << "," << name(c.o_layout) << " pad=" << c.pad
-     << " misalign=" << c.misalign << " storage=" << name(c.storage) << " values=" << name(c.values)
+     << " scale=" << std::setprecision(9) << p.scale << " layouts(q,k,o)=" << name(c.q_layout)
+     << "," << name(c.kv_layout) << "," << name(c.o_layout) << " v_layout=" << name(c.v_layout)
+     << " pad(q,k,v)=" << c.pad << "," << c.k_pad << "," << c.v_pad << " misalign=" << c.misalign
+     << " storage=" << name(c.storage) << " values=" << name(c.values)
      << " value_scale=" << c.value_scale << " seed=" << c.seed;
   return os;
 }
@@ -196,19 +197,31 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
       p.scale = std::ldexp(negative ? -p.scale : p.scale, exponent);
     }
 
+    // Every tensor's layout and padding drawn on its own: a kernel that steps through K with
+    // V's strides (or q's) meets a case where they differ.
     const auto layout =
         unsized(rc::gen::elementOf(std::vector<Layout>{Layout::token_major, Layout::head_major}));
+    const auto pad = [] {
+      return *unsized(rc::gen::arbitrary<bool>()) ? 0
+                                                  : *unsized(rc::gen::inRange<std::int64_t>(1, 18));
+    };
     c.q_layout = *layout;
     c.kv_layout = *layout;
+    c.v_layout = *layout;
     c.o_layout = *layout;
-    c.pad =
-        *unsized(rc::gen::arbitrary<bool>()) ? 0 : *unsized(rc::gen::inRange<std::int64_t>(1, 18));
+    c.pad = pad();
+    c.k_pad = pad();
+    c.v_pad = pad();
     c.misalign = *unsized(rc::gen::inRange<std::int64_t>(0, 16));
     if (o.any_storage) {
       c.storage = *unsized(rc::gen::elementOf(
           std::vector<Storage>{Storage::separate, Storage::separate, Storage::fused_qkv,
                                Storage::shared_kv, Storage::broadcast_batch}));
       if (c.storage == Storage::fused_qkv && p.q_len != p.kv_len) c.storage = Storage::separate;
+    }
+    if (c.storage == Storage::shared_kv) {  // one memory: one layout
+      c.v_layout = c.kv_layout;
+      c.v_pad = c.k_pad;
     }
     if (o.any_values) {
       c.values = *unsized(rc::gen::weightedElement<Values>({{4, Values::uniform},

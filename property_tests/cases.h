@@ -31,9 +31,13 @@ enum class Storage {
 /// One generated test case: a problem plus how its inputs are laid out and filled.
 struct Case {
   Problem p;
+  /// Each tensor's own layout and padding: K and V may differ (a head-major K cache beside
+  /// a token-major V, padded rows in one of them).
   Layout q_layout = Layout::token_major, kv_layout = Layout::token_major,
-         o_layout = Layout::token_major;
-  std::int64_t pad = 0;       ///< extra elements added to every outer stride
+         v_layout = Layout::token_major, o_layout = Layout::token_major;
+  std::int64_t pad = 0;       ///< extra elements added to every outer stride of q, o and lse
+  std::int64_t k_pad = 0;     ///< the same for k
+  std::int64_t v_pad = 0;     ///< the same for v
   std::int64_t misalign = 0;  ///< floats added to every base pointer (0..15)
   Storage storage = Storage::separate;
   Values values = Values::uniform;

@@ -155,6 +155,7 @@ TEST_P(Metamorphic, LayoutsAgree) {
     };
     flipped.q_layout = flip(c.q_layout);
     flipped.kv_layout = flip(c.kv_layout);
+    flipped.v_layout = flip(c.v_layout);
     flipped.o_layout = flip(c.o_layout);
     if (flipped.storage == Storage::fused_qkv) flipped.storage = Storage::separate;
     const Inputs in = make_inputs(c);
