@@ -15,21 +15,38 @@ double weight(const float* w, bool transposed, std::int64_t in, std::int64_t out
   return transposed ? w[j * in + l] : w[l * out + j];
 }
 
-// P = X W + b over `len` rows, and M = |X| |W| + |b|, both [len][out].
+// P = X W + b over `len` rows, and M = |X| |W| + |b|, both [len][out]. The inner loop runs
+// along the weight's rows as stored (over l transposed, over j otherwise), so that a
+// 2048 x 4096 x 2048 projection takes seconds, not minutes.
 void project(const float* x, std::int64_t len, std::int64_t in, const float* w, const float* b,
              bool transposed, std::int64_t out, std::vector<double>& p, std::vector<double>& m) {
   p.assign(static_cast<std::size_t>(len * out), 0.0);
   m.assign(p.size(), 0.0);
   for (std::int64_t i = 0; i < len; ++i) {
+    double* pi = p.data() + i * out;
+    double* mi = m.data() + i * out;
     for (std::int64_t j = 0; j < out; ++j) {
-      double s = b != nullptr ? b[j] : 0.0, a = b != nullptr ? std::fabs(b[j]) : 0.0;
-      for (std::int64_t l = 0; l < in; ++l) {
-        const double t = static_cast<double>(x[i * in + l]) * weight(w, transposed, in, out, l, j);
-        s += t;
-        a += std::fabs(t);
+      pi[j] = b != nullptr ? b[j] : 0.0;
+      mi[j] = b != nullptr ? std::fabs(b[j]) : 0.0;
+    }
+    if (transposed) {
+      for (std::int64_t j = 0; j < out; ++j) {
+        for (std::int64_t l = 0; l < in; ++l) {
+          const double t = static_cast<double>(x[i * in + l]) * weight(w, true, in, out, l, j);
+          pi[j] += t;
+          mi[j] += std::fabs(t);
+        }
       }
-      p[static_cast<std::size_t>(i * out + j)] = s;
-      m[static_cast<std::size_t>(i * out + j)] = a;
+    } else {
+      for (std::int64_t l = 0; l < in; ++l) {
+        const double xl = x[i * in + l];
+        const float* wl = w + l * out;
+        for (std::int64_t j = 0; j < out; ++j) {
+          const double t = xl * static_cast<double>(wl[j]);
+          pi[j] += t;
+          mi[j] += std::fabs(t);
+        }
+      }
     }
   }
 }
@@ -61,7 +78,7 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
   std::vector<double> s(static_cast<std::size_t>(keys));
   for (std::int64_t b = 0; b < batch; ++b) {
     const float* xb = x + b * len * d;
-    project(xb, len, d, w.wq, w.bq, w.transposed, hd, q, qm);
+    project(xb + first * d, len - first, d, w.wq, w.bq, w.transposed, hd, q, qm);  // rows only
     project(xb, len, d, w.wk, w.bk, w.transposed, kvd, k, km);
     project(xb, len, d, w.wv, w.bv, w.transposed, kvd, v, vm);
     for (std::int64_t i = first; i < len; ++i) {
@@ -70,7 +87,7 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t j = h / g;
         const auto qi = [&](std::int64_t e) {
-          return static_cast<std::size_t>(i * hd + h * D + e);
+          return static_cast<std::size_t>((i - first) * hd + h * D + e);
         };
         // Key t's K (or V) element e, and its magnitude sum |X| |W| + |b| (0 for the past's,
         // which are exact).
