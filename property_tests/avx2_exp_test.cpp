@@ -25,15 +25,13 @@ using mha::test::avx2_exp2_worst_error;
 using mha::test::bits_of;
 using mha::test::ulp_error;
 
-constexpr double kDeclaredUlp = 1.0;  // registry.inc: MHA_KERNEL(avx2, ..., 1.0, true)
-
 TEST(Avx2Exp, WithinDeclaredUlpOnEveryFloatAboveMinus126Point5) {
   if (!mha::cpu_supports(mha::Isa::avx2)) GTEST_SKIP() << "CPU lacks AVX2 or FMA";
   float worst_x = 0.0f;
   const double worst = avx2_exp2_worst_error(bits_of(-0.0f), bits_of(-126.5f) - 1, &worst_x);
   std::printf("avx2 exp2: max error %.4f ulp at x = %.9g (every float of (-126.5, 0])\n", worst,
               worst_x);
-  EXPECT_LE(worst, kDeclaredUlp);
+  EXPECT_LE(worst, mha::test::declared_ulp("avx2"));
 }
 
 TEST(Avx2Exp, FlushesToZeroOnEveryFloatFromMinus126Point5Down) {
@@ -58,7 +56,9 @@ TEST(Avx2Exp, SpecialValues) {
   EXPECT_EQ(out[4], 1.0f);
   EXPECT_EQ(out[5], std::ldexp(1.0f, -126));  // the smallest normal, exactly
   for (int i = 6; i < 8; ++i) {
-    EXPECT_LE(ulp_error(out[i], std::exp2(static_cast<double>(in[i]))), kDeclaredUlp) << in[i];
+    EXPECT_LE(ulp_error(out[i], std::exp2(static_cast<double>(in[i]))),
+              mha::test::declared_ulp("avx2"))
+        << in[i];
   }
 }
 

@@ -2,9 +2,13 @@
 // double precision).
 #pragma once
 
+#include <mha/registry.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace mha::test {
 
@@ -15,6 +19,14 @@ inline double ulp_error(float got, double exact) {
   int e;
   std::frexp(exact, &e);  // exact in [2^(e-1), 2^e)
   return std::fabs(got - exact) / std::ldexp(1.0, e - 24);
+}
+
+/// The exp_ulp registry.inc declares for `kernel`: the bound an exp test asserts, so that
+/// raising a declared bound cannot pass unnoticed (the bound is where the tolerance reads it).
+inline double declared_ulp(const std::string& kernel) {
+  const KernelInfo* k = find_kernel(kernel);
+  if (k == nullptr) throw std::runtime_error("no kernel " + kernel + " in the registry");
+  return k->exp_ulp;
 }
 
 /// The bit pattern of x (negative floats: ascending bits are descending values).
