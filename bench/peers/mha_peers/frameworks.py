@@ -16,6 +16,7 @@ layer (``LayerPeer``, supports_layer and prepare_layer); run and release serve e
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -432,6 +433,128 @@ class OpenVinoSdpa(Peer):
         t.o[...] = out.reshape(p.batch, p.q_heads, p.q_len, p.head_dim).transpose(0, 2, 1, 3)
 
 
+class OpenVinoSdpaKvCache(OpenVinoSdpa):
+    """OpenVINO's fused attention: the CPU plugin keeps ScaledDotProductAttention as its own
+    node (not decomposed into MatMul and Softmax, nor tokenized by Snippets) only in a model
+    with state, the form of an LLM exported for generation, so this peer builds that form:
+    K and V caches as state variables (ReadValue, Gather by beam_idx, Concat with the new
+    tokens, Assign), Q [B, H, Lq, D], and for g > 1 each cache broadcast over its group
+    (Unsqueeze, Broadcast [1, 1, g, 1, 1], Reshape), which the plugin folds into the node.
+    Prefill (Lq = Lk): the state is reset before every call and K, V come in as new tokens.
+    Decode (Lq = 1): the first Lk - 1 keys are set as the state once (untimed), and each call
+    appends the last key, as a generation step does; the cache grows by one key per timed
+    call (a few dozen at most over a benchmark). The peer test asserts that the compiled
+    model holds the ScaledDotProductAttention node for every kind of problem."""
+
+    name = "peer-openvino-sdpa-kvcache"
+
+    def why_unsupported(self, p: Problem) -> str | None:
+        if p.q_len != 1 and p.q_len != p.kv_len:
+            return "a generation loop's forms only: prefill (Lq = Lk) or decode (Lq = 1)"
+        return p.why_unsupported()
+
+    def model(self, p: Problem, k_head_major: bool, v_head_major: bool) -> Any:
+        """The stateful model: inputs q [B, Lq, H, D], the new K and V tokens in their
+        layouts, beam_idx [B]; output [B, H, Lq, D]."""
+        from openvino import opset6
+        from openvino.op.util import Variable, VariableInfo
+
+        ov, ops = self.ov, self.ops
+        b, h, hkv, g, d = p.batch, p.q_heads, p.kv_heads, p.group, p.head_dim
+        q_param = ops.parameter([b, -1, h, d], np.float32, name="q")
+        q = ops.transpose(q_param, [0, 2, 1, 3])
+        beam = ops.parameter([b], np.int32, name="beam_idx")
+        params, sinks, caches = [q_param], [], []
+        for name, head_major in (("k", k_head_major), ("v", v_head_major)):
+            shape = [b, hkv, -1, d] if head_major else [b, -1, hkv, d]
+            param = ops.parameter(shape, np.float32, name=name)
+            params.append(param)
+            new = param if head_major else ops.transpose(param, [0, 2, 1, 3])
+            info = VariableInfo()
+            info.data_shape = ov.PartialShape([b, hkv, -1, d])
+            info.data_type = ov.Type.f32
+            info.variable_id = f"{name}_cache"
+            variable = Variable(info)
+            empty = ops.constant(np.zeros([b, hkv, 0, d], np.float32))
+            past = ops.gather(opset6.read_value(empty, variable), beam, ops.constant(0))
+            cache = ops.concat([past, new], 2)
+            sinks.append(opset6.assign(cache, variable))
+            if g > 1:
+                wide = ops.broadcast(ops.unsqueeze(cache, 2),
+                                     ops.constant(np.array([1, 1, g, 1, 1], np.int64)),
+                                     broadcast_spec="BIDIRECTIONAL")
+                cache = ops.reshape(wide, ops.constant(np.array([b, h, -1, d], np.int64)),
+                                    False)
+            caches.append(cache)
+        params.append(beam)
+        # No mask input: with a [1, 1] zero mask (needed to pass a scale) the fused node gave
+        # wrong and varying outputs in 2026.4. So the default scale 1 / sqrt(D), and any
+        # other folded into q (one more rounding).
+        if np.float32(p.scale) != np.float32(1.0 / math.sqrt(d)):
+            q = ops.multiply(q, ops.constant(np.float32(p.scale * math.sqrt(d))))
+        out = ops.scaled_dot_product_attention(q, caches[0], caches[1],
+                                               causal=p.q_len > 1 and p.mask is Mask.CAUSAL)
+        return ov.Model([out.output(0)], sinks, params, "sdpa_kv_cache")
+
+    def compile(self, p: Problem, k_head_major: bool, v_head_major: bool, threads: int) -> Any:
+        return self.core.compile_model(self.model(p, k_head_major, v_head_major), "CPU", {
+            "INFERENCE_PRECISION_HINT": "f32",
+            "KV_CACHE_PRECISION": "f32",
+            "INFERENCE_NUM_THREADS": threads,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+        })
+
+    def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
+        ov = self.ov
+        k_hm, v_hm = is_head_major(t.k[0]), is_head_major(t.v[0])
+        compiled = self.compile(p, k_hm, v_hm, threads)
+        request = compiled.create_infer_request()
+        self.request = request
+        beam = ov.Tensor(np.arange(p.batch, dtype=np.int32))  # each sequence its own cache
+
+        def layout(x: np.ndarray, head_major: bool) -> np.ndarray:
+            return as_head_major(x) if head_major else as_token_major(x)
+
+        # The arrays stay referenced here as long as the tensors that share their memory.
+        self.arrays = [[as_token_major(x) for x in t.q]]
+        q = [ov.Tensor(x, shared_memory=True) for x in self.arrays[0]]
+        if p.q_len > 1:  # prefill: the whole prompt as new tokens, from an empty cache
+            self.arrays += [[layout(x, k_hm) for x in t.k], [layout(x, v_hm) for x in t.v]]
+            k = [ov.Tensor(x, shared_memory=True) for x in self.arrays[1]]
+            v = [ov.Tensor(x, shared_memory=True) for x in self.arrays[2]]
+
+            def prefill(c: int) -> None:
+                request.reset_state()
+                request.infer([q[c % len(q)], k[c % len(k)], v[c % len(v)], beam])
+
+            return prefill
+        # Decode: keys [0, Lk - 1) in the cache (copied into the plugin's state once), key
+        # Lk - 1 as the step's new token.
+        request.reset_state()
+        last = []
+        for state in request.query_state():
+            x = as_head_major((t.k if state.name == "k_cache" else t.v)[0])  # [B, Hkv, L, D]
+            state.state = ov.Tensor(np.ascontiguousarray(x[:, :, :-1]))
+        for x, head_major in ((t.k[0], k_hm), (t.v[0], v_hm)):
+            step = as_head_major(x)[:, :, -1:] if head_major else as_token_major(x)[:, -1:]
+            last.append(ov.Tensor(np.ascontiguousarray(step)))
+
+        def step_call(c: int) -> None:
+            request.infer([q[c % len(q)], last[0], last[1], beam])
+
+        return step_call
+
+    def write_output(self, p: Problem, t: Tensors) -> None:
+        out = self.request.get_output_tensor(0).data  # [B, H, Lq, D]
+        t.o[...] = out.transpose(0, 2, 1, 3)
+
+    def runtime_layer_types(self, p: Problem, k_head_major: bool, v_head_major: bool) -> set[str]:
+        """The layer types of the compiled model (for the peer test)."""
+        compiled = self.compile(p, k_head_major, v_head_major, 1)
+        return {n.get_rt_info()["layerType"].astype(str) for n in compiled.get_runtime_model().get_ops()}
+
+
 class TorchMatmul(GemmPeer):
     """torch.matmul(a, b, out=c) on tensors over the shared buffers (torch.from_numpy: no
     copy), so every call writes C in place. Outside inference_mode: no tensor requires grad,
@@ -519,7 +642,7 @@ class TorchLayer(LayerPeer):
 
 
 ATTENTION: list[type[Peer]] = [TorchSdpa, TorchSdpaGrouped, OrtAttention, OrtAttentionGrouped,
-                               OrtGqa, OpenVinoSdpa]
+                               OrtGqa, OpenVinoSdpa, OpenVinoSdpaKvCache]
 GEMM: list[type[GemmPeer]] = [TorchMatmul]
 LAYER: list[type[LayerPeer]] = [TorchLayer]
 ALL: list[type[Framework]] = [*ATTENTION, *GEMM, *LAYER]  # the server's peers, in this order

@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from mha_peers.frameworks import (ALL, ATTENTION, Framework, Peer, TorchLayer, TorchMatmul,
-                                  TorchSdpa)
+from mha_peers.frameworks import (ALL, ATTENTION, Framework, OpenVinoSdpaKvCache, Peer,
+                                  TorchLayer, TorchMatmul, TorchSdpa)
 from mha_peers.layer import Gemm, GemmTensors, Layer, LayerReference, LayerTensors, layer
 from mha_peers.problem import (Mask, Problem, Tensors, dense_head_major, dense_token_major,
                                attention)
@@ -102,20 +102,43 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     why = peer.why_unsupported(p)
     if why is not None:
         # The peers that decline: ORT's GQA operator (causal only), the grouped forms
-        # (grouped-query decode steps only).
+        # (grouped-query decode steps only), OpenVINO's KV-cache form (prefill and decode).
         assert ((cls.name == "peer-ort-gqa" and not p.causal)
-                or (cls.name.endswith("-grouped") and not p.grouped_decode))
+                or (cls.name.endswith("-grouped") and not p.grouped_decode)
+                or (cls is OpenVinoSdpaKvCache and 1 < p.q_len < p.kv_len))
         pytest.skip(why)
     rng = np.random.default_rng(7)
     q, k, v, o = buffers(p, rng, copies=2)
     t = Tensors.from_buffers(p, q, k, v, o)
     call = peer.prepare(p, t, threads=1)
-    for c in (1, 0):  # the last call, on copy 0, is the one written out
+    # The last call, on copy 0, is the one written out; OpenVINO's KV-cache decode appends
+    # its key to the cache at every call, as a generation step does: one call.
+    steps = (0,) if cls is OpenVinoSdpaKvCache and p.q_len == 1 else (1, 0)
+    for c in steps:
         call(c)
     peer.write_output(p, t)
     want = attention(p, t.q[0], t.k[0], t.v[0])
     err = np.abs(t.o - want).max()
     assert err <= error_bound(p), f"{peer.name} on {case}: max |error| {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["prefill", "prefill-causal", "decode", "decode-gqa",
+                                  "decode-mqa", "prefill-gqa-token-major"])
+def test_openvino_kv_cache_keeps_the_fused_node(kind: str) -> None:
+    """The CPU plugin compiles peer-openvino-sdpa-kvcache's model for every kind of problem
+    with its ScaledDotProductAttention node, not a MatMul, Softmax, MatMul decomposition or
+    a Snippets subgraph (the plain opset13 model gets those)."""
+    peer = loaded(OpenVinoSdpaKvCache)
+    assert isinstance(peer, OpenVinoSdpaKvCache)
+    heads, kv_heads = {"decode-gqa": (8, 2), "decode-mqa": (8, 1),
+                       "prefill-gqa-token-major": (8, 2)}.get(kind, (4, 4))
+    q_len = 1 if kind.startswith("decode") else 64
+    p = make_problem(1, q_len, 64 if q_len > 1 else 256, heads, kv_heads, 32,
+                     causal=kind != "prefill", kv_head_major=kind != "prefill-gqa-token-major")
+    head_major = kind != "prefill-gqa-token-major"
+    types = peer.runtime_layer_types(p, head_major, head_major)
+    assert "ScaledDotProductAttention" in types, sorted(types)
+    assert not types & {"MatMul", "Softmax", "Subgraph"}, sorted(types)
 
 
 def test_mask_kinds_follow_bottom_right_alignment() -> None:
