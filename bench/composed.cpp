@@ -95,7 +95,7 @@ float softmax_row(float* row, std::int64_t n, std::int64_t len) {
 }
 
 void Composed::run(const Problem& p, const float* q, const float* k, const float* v, float* o,
-                   float* lse) {
+                   float* lse, int threads) {
   // Query rows go in blocks whose score rows fit in about 1 MiB, so the softmax and the
   // second product read S from L2 instead of memory; sgemm keeps its efficiency down to
   // blocks of a few hundred rows.
@@ -110,16 +110,30 @@ void Composed::run(const Problem& p, const float* q, const float* k, const float
       const float* v_h = v + b * p.v.batch + (h / group) * p.v.head;
       for (std::int64_t r0 = 0; r0 < p.q_len; r0 += rows) {
         const std::int64_t m = std::min(rows, p.q_len - r0);
+        // Keys the block's last row sees (causal: a prefix); none past them is computed.
+        const std::int64_t n = visible_keys(p, r0 + m - 1);
         const float* q_h = q + b * p.q.batch + r0 * p.q.seq + h * p.q.head;
         float* o_h = o + b * p.o.batch + r0 * p.o.seq + h * p.o.head;
-        // S [m][Lk] = scale * Q [m][D] K^T
-        gemm_(true, m, p.kv_len, p.head_dim, p.scale, q_h, p.q.seq, k_h, p.k.seq, s, p.kv_len);
+        if (n == 0) {  // no row of the block sees a key: o = 0, lse = -inf
+          for (std::int64_t i = 0; i < m; ++i) {
+            std::fill(o_h + i * p.o.seq, o_h + i * p.o.seq + p.head_dim, 0.0f);
+            if (lse != nullptr) {
+              lse[b * p.lse.batch + h * p.lse.head + r0 + i] =
+                  -std::numeric_limits<float>::infinity();
+            }
+          }
+          continue;
+        }
+        // S [m][n] = scale * Q [m][D] K^T, row stride n
+        gemm_(true, m, n, p.head_dim, p.scale, q_h, p.q.seq, k_h, p.k.seq, s, n);
+        // The softmax on as many threads as the products.
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (std::int64_t i = 0; i < m; ++i) {
-          const float l = softmax_row(s + i * p.kv_len, visible_keys(p, r0 + i), p.kv_len);
+          const float l = softmax_row(s + i * n, visible_keys(p, r0 + i), n);
           if (lse != nullptr) lse[b * p.lse.batch + h * p.lse.head + r0 + i] = l;
         }
-        // O [m][D] = P [m][Lk] V [Lk][D]
-        gemm_(false, m, p.head_dim, p.kv_len, 1.0f, s, p.kv_len, v_h, p.v.seq, o_h, p.o.seq);
+        // O [m][D] = P [m][n] V [n][D]
+        gemm_(false, m, p.head_dim, n, 1.0f, s, n, v_h, p.v.seq, o_h, p.o.seq);
       }
     }
   }

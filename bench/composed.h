@@ -1,7 +1,9 @@
 // Baselines: attention composed from library sgemm calls and a vectorized softmax, the way a
 // user without a fused kernel would write it. Per (batch, query head): S = scale * Q K^T by
-// sgemm, an in-place softmax over each row's visible keys (masked keys set to 0), then
-// O = P V by sgemm, in blocks of query rows. Scratch: one block of scores (about 1 MiB).
+// sgemm, an in-place softmax over each row's visible keys (masked keys set to 0; on as many
+// threads as the sgemm calls), then O = P V by sgemm, in blocks of query rows; a causal
+// block's products stop at the last key its last row sees. Scratch: one block of scores
+// (about 1 MiB).
 #pragma once
 
 #include <mha/attention.h>
@@ -34,7 +36,8 @@ class Composed {
   explicit Composed(Sgemm gemm) : gemm_(gemm) {}
   /// The kernel contract of mha/attention.h, for dense-enough layouts (every seq stride
   /// at least head_dim, as BLAS needs).
-  void run(const Problem& p, const float* q, const float* k, const float* v, float* o, float* lse);
+  void run(const Problem& p, const float* q, const float* k, const float* v, float* o, float* lse,
+           int threads);
 
  private:
   Sgemm gemm_;

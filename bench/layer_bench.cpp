@@ -548,7 +548,7 @@ class ComposedLayer {
     }
     Problem p = make_problem(s.batch, s.n, cap, s.heads, s.kv_heads, s.head_dim, s.causal);
     p.k = p.v = {cap * kvd, kvd, s.head_dim};
-    attention_.run(p, q_.data(), k_.data(), v_.data(), o_.data(), nullptr);
+    attention_.run(p, q_.data(), k_.data(), v_.data(), o_.data(), nullptr, threads);
     gemm_(false, s.batch * s.n, s.d, hd, 1.0f, o_.data(), hd, d_.wo.data(), s.d, d_.y.data(), s.d);
   }
 

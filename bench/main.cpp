@@ -261,7 +261,7 @@ std::vector<Impl> implementations() {
                    [baseline, set_threads](const Problem& p, const float* q, const float* k,
                                            const float* v, float* o, float* lse, int threads) {
                      set_threads(threads);
-                     baseline->run(p, q, k, v, o, lse);
+                     baseline->run(p, q, k, v, o, lse, threads);
                    },
                    true, ""});
   };
