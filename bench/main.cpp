@@ -623,6 +623,29 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
 // bounds the clock's share, so a fraction up to kClockSlack stands, as measured.
 constexpr double kClockSlack = 1.33;
 
+// A peer's time per call on a trivial problem (a decode step, 2 query heads on 1 KV head,
+// 16 keys of 16 floats, 1 thread): what the framework adds to every call, which the report
+// shows beside the shapes that take under a millisecond. The best of 5 batches of about
+// 20 ms; 0 when the peer does not take the problem.
+double peer_overhead(PeerServer& server, const std::string& peer, const Probe& probe) {
+  const Shape tiny{"decode", 1, 2, 1, 1, 16, 16, true, 1};
+  Workspace& w = workspace(tiny, probe);
+  std::string why;
+  if (!server.supports(peer, w.p, &why)) return 0.0;
+  const double once =
+      server.prepare(peer, w.p, 1, pointers(w.q), pointers(w.k), pointers(w.v), w.o.data(), &why);
+  if (once < 0) return 0.0;
+  const long long batch = std::max(1LL, static_cast<long long>(0.02 / std::max(once, 1e-7)));
+  double best = 0.0;
+  for (int r = 0; r < 5; ++r) {
+    const double t = server.run(batch, &why);
+    if (t < 0) break;
+    best = r == 0 ? t / static_cast<double>(batch) : std::min(best, t / static_cast<double>(batch));
+  }
+  server.release();
+  return best;
+}
+
 std::string slack_text() {
   char text[16];
   std::snprintf(text, sizeof text, "%.2f", kClockSlack);
@@ -875,7 +898,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "mha_bench: peer skipped: %s\n", why.c_str());
       ctx("peer_skipped_" + why.substr(0, why.find(':')), why.substr(why.find(':') + 2));
     }
-    for (const PeerInfo& peer : server->peers()) ctx(peer.name + "_version", peer.version);
+    for (const PeerInfo& peer : server->peers()) {
+      ctx(peer.name + "_version", peer.version);
+      if (!peer.how.empty()) ctx(peer.name + "_how", peer.how);
+      const double seconds = peer_overhead(*server, peer.name, probe);
+      if (seconds > 0) ctx(peer.name + "_overhead_us", fixed(seconds * 1e6, 1));
+    }
   }
 
   // Shape by shape, so that kernels and peers of one shape are measured next to each other;

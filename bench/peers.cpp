@@ -170,7 +170,8 @@ PeerServer::PeerServer(const std::string& command) {
     if (word == "ready") return;
     std::string rest;
     std::getline(is >> std::ws, rest);
-    if (word == "peer") peers_.push_back({name, rest});
+    if (word == "peer") peers_.push_back({name, rest, ""});
+    if (word == "how" && !peers_.empty() && peers_.back().name == name) peers_.back().how = rest;
     if (word == "skip") skipped_.push_back(name + ": " + rest);
   }
 }

@@ -83,6 +83,7 @@ struct PeerInfo {
   /// GEMM: peer-torch-matmul; layer: peer-torch-layer.
   std::string name;
   std::string version;  ///< e.g. torch-2.15.0
+  std::string how;      ///< how it is run: layout, form, mask, fused path (the report's table)
 };
 
 /// One GEMM, C[m][n] = A[m][k] B[k][n], every matrix fp32, dense, row-major.

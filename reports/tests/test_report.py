@@ -16,6 +16,7 @@ from mha_report import results as res
 from mha_report import stats
 from mha_report.__main__ import main
 from mha_report.render import build, summary_text, write
+from mha_report.stats import headlines
 
 FIXTURE = Path(__file__).parent / "fixtures" / "quick.json"
 
@@ -144,6 +145,25 @@ def test_report_files(run: res.Results, tmp_path: Path) -> None:
     body = page.read_text()
     assert body.count("data:image/png;base64,") == len(images)
     assert ".png" not in body.replace("data:image/png", "")  # self-contained
+
+
+def test_peers_table_and_overheads(raw: dict, tmp_path: Path) -> None:
+    """The peers' table comes from the context (version, how, per-call overhead), and a best
+    peer's time under a millisecond carries its overhead in the summary."""
+    data = copy.deepcopy(raw)
+    run = res.parse(data, "peers")
+    fast = [h for h in headlines(run) if h.peer and h.peer_ms < 1.0]
+    assert fast, "the quick fixture has shapes under a millisecond"
+    peer = fast[0].peer
+    data["context"][f"{peer}_how"] = "a form that says how"
+    data["context"][f"{peer}_overhead_us"] = "123.4"
+    run = res.parse(data, "peers")
+    md, _ = write(build(run, tmp_path), tmp_path)
+    text = md.read_text()
+    assert "## Peers" in text
+    assert f"| `{peer}` | {data['context'][peer + '_version']} | a form that says how | 123.4 |" \
+        in text
+    assert f"{fast[0].peer_ms:.3f} (overhead 0.123)" in text
 
 
 def test_summary_lists_every_shape_with_a_kernel(run: res.Results) -> None:

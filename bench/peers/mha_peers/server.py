@@ -166,6 +166,8 @@ def load_peers(out: IO[str]) -> list[Framework]:
         try:
             peer.load()
             out.write(f"peer {peer.name} {peer.version()}\n")
+            if peer.how:
+                out.write(f"how {peer.name} {peer.how}\n")
             peers.append(peer)
         except Exception as e:  # not installed, or broken: a skip line, never a crash
             out.write(f"skip {peer.name} {type(e).__name__}: {' '.join(str(e).split())[:200]}\n")

@@ -141,6 +141,25 @@ def test_openvino_kv_cache_keeps_the_fused_node(kind: str) -> None:
     assert not types & {"MatMul", "Softmax", "Subgraph"}, sorted(types)
 
 
+def test_openvino_kv_cache_decode_sets_its_cache_back() -> None:
+    """peer-openvino-sdpa-kvcache's decode steps append their key to the cache; every
+    2 sqrt(Lk) calls the cache is set back, so the call after that many is exact again."""
+    peer = loaded(OpenVinoSdpaKvCache)
+    assert isinstance(peer, Peer)
+    p = make_problem(1, 1, 100, 4, 2, 16, causal=True, kv_head_major=True)
+    q, k, v, o = buffers(p, np.random.default_rng(3), copies=1)
+    t = Tensors.from_buffers(p, q, k, v, o)
+    call = peer.prepare(p, t, threads=1)
+    want = attention(p, t.q[0], t.k[0], t.v[0])
+    period = int(2 * math.sqrt(p.kv_len))
+    for n in range(1, 2 * period + 2):
+        call(0)
+        peer.write_output(p, t)
+        err = np.abs(t.o - want).max()
+        exact = n % period == 1 or period == 1
+        assert (err <= error_bound(p)) == exact, f"call {n}: max |error| {err:.3g}"
+
+
 def test_mask_kinds_follow_bottom_right_alignment() -> None:
     assert make_problem(1, 4, 4, 1, 1, 8, causal=False).mask is Mask.NONE
     assert make_problem(1, 1, 9, 1, 1, 8, causal=True).mask is Mask.NONE
@@ -209,8 +228,11 @@ def test_greeting_ends_with_ready() -> None:
     serve(io.StringIO(""), out)
     lines = out.getvalue().splitlines()
     assert lines[-1] == "ready"
-    assert all(line.split()[0] in ("peer", "skip") for line in lines[:-1])
-    assert len(lines) - 1 == len(ALL)
+    assert all(line.split()[0] in ("peer", "skip", "how") for line in lines[:-1])
+    assert sum(line.split()[0] in ("peer", "skip") for line in lines) == len(ALL)
+    hows = [line.split()[1] for line in lines if line.startswith("how ")]
+    peers = [line.split()[1] for line in lines if line.startswith("peer ")]
+    assert hows == peers  # every loaded peer says how it is run, after its peer line
 
 
 # --- GEMM and layer peers ----------------------------------------------------------------
