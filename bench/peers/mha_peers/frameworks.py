@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import sys
+import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -642,8 +645,9 @@ class TorchLayer(LayerPeer):
     timed calls are identical steps."""
 
     how = (
-        "F.linear with nn.Linear weights, a static head-major cache, SDPA as peer-torch-sdpa,"
-        " under inference_mode")
+        "projections by F.linear or by TorchScript-frozen nn.Linear with oneDNN-prepacked weights"
+        " (optimize_for_inference), whichever is faster at prepare; a static head-major cache; "
+        "SDPA as peer-torch-sdpa; under inference_mode")
 
     name = "peer-torch-layer"
     package = "torch"
@@ -674,6 +678,9 @@ class TorchLayer(LayerPeer):
         bq, bk, bv, bo = (bias(x) for x in (t.bq, t.bk, t.bv, t.bo))
         k_cache, v_cache = cache(t.k_cache), cache(t.v_cache)
         x = torch.from_numpy(t.x)
+        q_proj, k_proj, v_proj = self.projections(
+            [(wq, bq), (wk, bk), (wv, bv)], x)
+        o_proj = self.projections([(wo, bo)], torch.zeros(b, n, h * dim))[0]
         attention = s.attention
         mask = torch.from_numpy(attention.visible()) if attention.mask is Mask.EXPLICIT else None
         is_causal = attention.mask is Mask.CAUSAL
@@ -682,14 +689,53 @@ class TorchLayer(LayerPeer):
 
         def call(_: int) -> None:
             with torch.inference_mode():
-                q = linear(x, wq, bq).view(b, n, h, dim).transpose(1, 2)
-                k_cache[:, :, new] = linear(x, wk, bk).view(b, n, hkv, dim).transpose(1, 2)
-                v_cache[:, :, new] = linear(x, wv, bv).view(b, n, hkv, dim).transpose(1, 2)
+                q = q_proj(x).view(b, n, h, dim).transpose(1, 2)
+                k_cache[:, :, new] = k_proj(x).view(b, n, hkv, dim).transpose(1, 2)
+                v_cache[:, :, new] = v_proj(x).view(b, n, hkv, dim).transpose(1, 2)
                 o = sdpa(q, k_cache, v_cache, attn_mask=mask, is_causal=is_causal,
                          enable_gqa=hkv != h)
-                self.y = linear(o.transpose(1, 2).reshape(b, n, h * dim), wo, bo)
+                self.y = o_proj(o.transpose(1, 2).reshape(b, n, h * dim))
 
         return call
+
+    def projections(self, weights: list[tuple[Any, Any]], x: Any) -> list[Callable[[Any], Any]]:
+        """x W + b for each (W [out][in], b): F.linear, or nn.Linear frozen by TorchScript and
+        optimize_for_inference (its weights prepacked for oneDNN), whichever ran the first
+        pair faster on x here (one call each after a warm-up); F.linear where freezing is not
+        available. Records the choice in self.packed."""
+        torch = self.torch
+        linear = torch.nn.functional.linear
+        plain = [lambda y, w=w, b=b: linear(y, w, b) for w, b in weights]
+        self.packed = False
+        if not torch.backends.mkldnn.is_available():
+            return plain
+        try:
+            packed = []
+            for w, b in weights:
+                module = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+                with torch.no_grad():
+                    module.weight.copy_(w)
+                    if b is not None:
+                        module.bias.copy_(b)
+                with warnings.catch_warnings():  # TorchScript is deprecated, still served
+                    warnings.simplefilter("ignore", FutureWarning)
+                    frozen = torch.jit.freeze(torch.jit.script(module.eval()))
+                    packed.append(torch.jit.optimize_for_inference(frozen))
+        except Exception:  # an old or a stripped build: the plain form
+            return plain
+
+        def seconds(f: Callable[[Any], Any]) -> float:
+            with torch.inference_mode():
+                f(x)
+                start = time.perf_counter()
+                f(x)
+                return time.perf_counter() - start
+
+        self.packed = seconds(packed[0]) < seconds(plain[0])
+        print(f"{self.name}: projections of {tuple(x.shape)}: "
+              f"{'prepacked (frozen TorchScript)' if self.packed else 'F.linear'}",
+              file=sys.stderr)
+        return packed if self.packed else plain
 
     def write_output(self, s: Layer, t: LayerTensors) -> None:
         t.y[...] = self.y.numpy()
