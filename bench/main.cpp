@@ -455,8 +455,9 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
 // baselines', peers') is made wrong before the check, as a bug would make it, and the run
 // succeeds only if the check rejects it in every benchmark (a benchmark it passes is timed
 // and reported as an escape). zeros: o all zeros; last-tile: a decode of more than 16384
-// keys without its last 128 keys; first-percent: without the first 1% of the keys.
-enum class Plant { none, zeros, last_tile, first_percent };
+// keys without its last 128 keys; first-percent: without the first 1% of the keys;
+// middle-key: without key kv_len / 2.
+enum class Plant { none, zeros, last_tile, first_percent, middle_key };
 Plant g_plant = Plant::none;
 int g_planted_caught = 0;  // benchmarks whose planted answer the check rejected
 
@@ -472,8 +473,41 @@ PlantedKeys planted_keys(const Problem& p) {
   return {0, p.kv_len};
 }
 
-// `p` and its K and V as the planted bug sees them (the problem itself without a plant).
-Problem planted_problem(const Problem& p, const float*& k, const float*& v) {
+// w's problem and K and V (those of copy c) as the planted bug sees them: without a plant,
+// the problem itself. middle-key: copies of copy 0's K and V without key kv_len / 2, made
+// once per workspace, for every copy.
+Problem planted_problem(const Workspace& w, std::size_t c, const float*& k, const float*& v) {
+  const Problem& p = w.p;
+  if (g_plant == Plant::middle_key && p.kv_len > 1) {
+    static std::string key;
+    static Tensor k_cut, v_cut;
+    static Problem cut;
+    if (key != w.key) {
+      key = w.key;
+      cut = p;
+      cut.kv_len = p.kv_len - 1;
+      const Layout layout = p.k.head < p.k.seq ? Layout::token_major : Layout::head_major;
+      cut.k = cut.v = dense_strides(layout, cut.kv_len, p.kv_heads, p.head_dim);
+      k_cut.assign(static_cast<std::size_t>(k_extent(cut)), 0.0f);
+      v_cut.assign(static_cast<std::size_t>(v_extent(cut)), 0.0f);
+      for (std::int64_t b = 0; b < p.batch; ++b) {
+        for (std::int64_t h = 0; h < p.kv_heads; ++h) {
+          for (std::int64_t j = 0, to = 0; j < p.kv_len; ++j) {
+            if (j == p.kv_len / 2) continue;
+            std::copy_n(w.k[0].data() + b * p.k.batch + j * p.k.seq + h * p.k.head, p.head_dim,
+                        k_cut.data() + b * cut.k.batch + to * cut.k.seq + h * cut.k.head);
+            std::copy_n(w.v[0].data() + b * p.v.batch + j * p.v.seq + h * p.v.head, p.head_dim,
+                        v_cut.data() + b * cut.v.batch + to * cut.v.seq + h * cut.v.head);
+            ++to;
+          }
+        }
+      }
+    }
+    k = k_cut.data();
+    v = v_cut.data();
+    return cut;
+  }
+  (void)c;
   const PlantedKeys keys = planted_keys(p);
   Problem out = p;
   out.kv_len = keys.count;
@@ -499,7 +533,7 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   const std::string name = s.name(impl.name);
   if (verified.count(name) == 0) {
     const float *k = w.k[0].data(), *v = w.v[0].data();
-    const Problem planted = planted_problem(w.p, k, v);
+    const Problem planted = planted_problem(w, 0, k, v);
     impl.run(planted, w.q[0].data(), k, v, w.o.data(), w.lse.data(), s.threads);
     if (g_plant == Plant::zeros) std::fill(w.o.begin(), w.o.end(), 0.0f);
     const std::string error =
@@ -580,7 +614,7 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
   std::fill(w.o.begin(), w.o.end(), std::numeric_limits<float>::quiet_NaN());
   std::vector<const float*> k = pointers(w.k), v = pointers(w.v);
   Problem planted = w.p;
-  for (std::size_t c = 0; c < k.size(); ++c) planted = planted_problem(w.p, k[c], v[c]);
+  for (std::size_t c = 0; c < k.size(); ++c) planted = planted_problem(w, c, k[c], v[c]);
   const double once =
       server.prepare(peer, planted, s.threads, pointers(w.q), k, v, w.o.data(), &why);
   if (once < 0) {
@@ -767,9 +801,12 @@ int main(int argc, char** argv) {
         g_plant = Plant::last_tile;
       } else if (bug == "first-percent") {
         g_plant = Plant::first_percent;
+      } else if (bug == "middle-key") {
+        g_plant = Plant::middle_key;
       } else {
         std::fprintf(stderr,
-                     "mha_bench: --plant must be zeros, last-tile or first-percent, not '%s'\n",
+                     "mha_bench: --plant must be zeros, last-tile, first-percent or middle-key, "
+                     "not '%s'\n",
                      bug.c_str());
         return 2;
       }
