@@ -1,8 +1,8 @@
-// A kernel used from a copy: README.md's "Copying a kernel into your project" builds this file
-// with one kernel's files and mha/attention.h alone (the tiled kernels' files include
-// mha/support.h), and the copy/<kernel> ctests do
-// exactly that in an empty folder, for every kernel of the README's table. It runs one small
-// problem and compares the kernel with attention computed here in double precision.
+// A kernel used from a copy: README.md's "Copy a kernel" builds this file with one kernel's
+// files and mha/attention.h alone (the tiled kernels' files include mha/support.h), and the
+// copy/<kernel> ctests do exactly that in an empty folder, for every kernel of the README's
+// table. It runs one small problem and compares the kernel with attention computed here in
+// double precision.
 //
 // Compile it with -DMHA_EXAMPLE_KERNEL=<name> (naive, blocked, avx2, avx512, neon, xsimd_avx2,
 // ...: the registry name with '_' for '-'): it calls mha_f32_attention_<name>. It is built WITHOUT

@@ -1,8 +1,8 @@
-// A GEMM kernel used from a copy: README.md's "Copying a kernel into your project" (its GEMM
-// table) builds this file with one GEMM kernel's files alone, and the copy/gemm-<kernel>
-// ctests do exactly that in an empty folder. It packs a small A and B (mha/gemm.h), calls
-// the kernel and compares C with the product computed here in double precision, within the
-// contract's bound gamma(k + 1) (sum |a b| + |bias|).
+// A GEMM kernel used from a copy: README.md's "Copy a kernel" (its GEMM table) builds this file
+// with one GEMM kernel's files alone, and the copy/gemm-<kernel> ctests do exactly that in an
+// empty folder. It packs a small A and B (mha/gemm.h), calls the kernel and compares C with the
+// product computed here in double precision, within the contract's bound gamma(k + 1) (sum |a
+// b| + |bias|).
 //
 // Compile it with -DMHA_EXAMPLE_GEMM=<name> (portable, avx2, avx512, neon): it calls
 // mha_f32_gemm_<name> and mha_f32_gemm_<name>_tile. Built WITHOUT the kernel's ISA flags, so

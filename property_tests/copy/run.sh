@@ -1,11 +1,10 @@
 #!/bin/sh
-# The copy/<kernel> ctests: README.md's "Copying a kernel into your project", done literally
-# for one kernel. Reads the kernel's row of the README's copy table (its files and its
-# flags), copies exactly those files (headers of kernels/include/mha/ into mha/), then
-# mha/attention.h and example.cpp into an empty folder,
-# builds them with the compiler alone (no CMake, no other file of this project) and runs the
-# example. Fails if the compiler prints anything (a copied file must build without warnings
-# at -Wall -Wextra).
+# The copy/<kernel> ctests: README.md's "Copy a kernel", done literally for one kernel. Reads
+# the kernel's row of the README's copy table (its files and its flags), copies exactly those
+# files (headers of kernels/include/mha/ into mha/), then mha/attention.h and example.cpp into
+# an empty folder, builds them with the compiler alone (no CMake, no other file of this project)
+# and runs the example. Fails if the compiler prints anything (a copied file must build without
+# warnings at -Wall -Wextra).
 #
 # Usage: run.sh KERNEL REPO WORK_DIR CXX [FLAG...]
 #   KERNEL    a kernel name of the table (naive, blocked, avx2, avx512, neon, xsimd-avx2, ...)
