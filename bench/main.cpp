@@ -2,7 +2,7 @@
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
 // Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>/threads:<n>
-// Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac (see README).
+// Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac (docs/benchmarks.md).
 #include <benchmark/benchmark.h>
 #include <mha/attention.h>
 #include <mha/parallel.h>
@@ -737,18 +737,17 @@ std::string fixed(double x, int digits = 1) {
   return buf;
 }
 
-}  // namespace
-}  // namespace mha::bench
+// ---------------------------------------------------------------------------------------
+// The steps of main
 
-int main(int argc, char** argv) {
-  using namespace mha::bench;
 #if MHA_HAVE_OPENBLAS
-  // OpenBLAS picks its kernels for the CPU it recognizes; one older than the CPU (Debian 12's
-  // 0.3.21 on an Intel Xeon of model 207) falls back to Prescott's SSE3 kernels, 5-8x slower
-  // than its SkylakeX ones here (14-25 against 77-130 GFLOP/s for 2048 x 4096 x 4096 on one
-  // core). The baselines get the library's best: mha_bench restarts itself once with
-  // OPENBLAS_CORETYPE set for the widest ISA the CPU has (what a user who knows the variable
-  // does), and the context records the core OpenBLAS used (openblas_core).
+// OpenBLAS picks its kernels for the CPU it recognizes; one older than the CPU (Debian 12's
+// 0.3.21 on an Intel Xeon of model 207) falls back to Prescott's SSE3 kernels, 5-8x slower
+// than its SkylakeX ones here (14-25 against 77-130 GFLOP/s for 2048 x 4096 x 4096 on one
+// core). The baselines get the library's best: mha_bench restarts itself once with
+// OPENBLAS_CORETYPE set for the widest ISA the CPU has (what a user who knows the variable
+// does), and the context records the core OpenBLAS used (openblas_core).
+void use_best_openblas_core(char** argv) {
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr &&
       std::strcmp(openblas_get_corename(), "Prescott") == 0) {
     const char* core = mha::cpu_supports(mha::Isa::avx512) ? "SkylakeX"
@@ -759,14 +758,42 @@ int main(int argc, char** argv) {
       execv("/proc/self/exe", argv);  // returns only on failure: then go on as we are
     }
   }
+}
 #endif
-  // Our own flags, taken out before Google Benchmark parses the rest.
+
+// Our own flags, taken out before Google Benchmark parses the rest.
+struct Options {
   Size size = Size::default_size;
   bool probe_only = false;
   std::string peers_command;  // --peers=CMD: the framework peers' server (peers.h)
   int rounds = 1;             // --rounds=N: every shape's kernels and peers N times, alternating
-  std::vector<char*> args;
-  bool json_out = false, json_display = false;
+  std::vector<char*> args;    // the rest, for Google Benchmark (the program's name first)
+  bool json_out = false;      // --benchmark_out=FILE: JSON into FILE
+  bool json_display = false;  // --benchmark_format=json: JSON on standard output
+};
+
+// Sets g_plant from --plant=BUG; false, with a message, for an unknown bug.
+bool parse_plant(const std::string& bug) {
+  if (bug == "zeros") {
+    g_plant = Plant::zeros;
+  } else if (bug == "last-tile") {
+    g_plant = Plant::last_tile;
+  } else if (bug == "first-percent") {
+    g_plant = Plant::first_percent;
+  } else if (bug == "middle-key") {
+    g_plant = Plant::middle_key;
+  } else {
+    std::fprintf(stderr,
+                 "mha_bench: --plant must be zeros, last-tile, first-percent or middle-key, "
+                 "not '%s'\n",
+                 bug.c_str());
+    return false;
+  }
+  return true;
+}
+
+// Reads the command line into `options`; false, with a message, for a flag it rejects.
+bool parse_options(int argc, char** argv, Options* options) {
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.rfind("--size=", 0) == 0) {
@@ -774,60 +801,51 @@ int main(int argc, char** argv) {
       bool known = false;
       for (Size candidate : {Size::quick, Size::default_size, Size::full, Size::cliffs}) {
         if (value == size_name(candidate)) {
-          size = candidate;
+          options->size = candidate;
           known = true;
         }
       }
       if (!known) {
         std::fprintf(stderr, "mha_bench: --size must be quick, default, full or cliffs, not '%s'\n",
                      value.c_str());
-        return 2;
+        return false;
       }
       continue;
     }
     if (arg == "--probe_only") {
-      probe_only = true;
+      options->probe_only = true;
       continue;
     }
     if (arg.rfind("--peers=", 0) == 0) {
-      peers_command = arg.substr(8);
+      options->peers_command = arg.substr(8);
       continue;
     }
     if (arg.rfind("--plant=", 0) == 0) {
-      const std::string bug = arg.substr(8);
-      if (bug == "zeros") {
-        g_plant = Plant::zeros;
-      } else if (bug == "last-tile") {
-        g_plant = Plant::last_tile;
-      } else if (bug == "first-percent") {
-        g_plant = Plant::first_percent;
-      } else if (bug == "middle-key") {
-        g_plant = Plant::middle_key;
-      } else {
-        std::fprintf(stderr,
-                     "mha_bench: --plant must be zeros, last-tile, first-percent or middle-key, "
-                     "not '%s'\n",
-                     bug.c_str());
-        return 2;
-      }
+      if (!parse_plant(arg.substr(8))) return false;
       continue;
     }
     if (arg.rfind("--rounds=", 0) == 0) {
-      rounds = std::atoi(arg.c_str() + 9);
-      if (rounds < 1 || rounds > 100) {
+      options->rounds = std::atoi(arg.c_str() + 9);
+      if (options->rounds < 1 || options->rounds > 100) {
         std::fprintf(stderr, "mha_bench: --rounds must be 1 to 100, not '%s'\n", arg.c_str() + 9);
-        return 2;
+        return false;
       }
       continue;
     }
-    if (arg.rfind("--benchmark_out=", 0) == 0) json_out = true;
+    if (arg.rfind("--benchmark_out=", 0) == 0) options->json_out = true;
     if (arg == "--benchmark_out_format=console" || arg == "--benchmark_out_format=csv") {
       std::fprintf(stderr, "mha_bench: only --benchmark_out_format=json is supported\n");
-      return 2;
+      return false;
     }
-    if (arg == "--benchmark_format=json") json_display = true;
-    args.push_back(argv[i]);
+    if (arg == "--benchmark_format=json") options->json_display = true;
+    options->args.push_back(argv[i]);
   }
+  return true;
+}
+
+// Hands the rest of the command line to Google Benchmark; false if it has flags nobody knows.
+bool initialize_google_benchmark(Options* options) {
+  std::vector<char*>& args = options->args;
   // A default minimum time per benchmark (Google Benchmark's own flag, so that names carry
   // no per-benchmark suffix); a --benchmark_min_time given by the user comes later and wins.
   bool user_min_time = false;
@@ -835,35 +853,47 @@ int main(int argc, char** argv) {
   static char quick_min_time[] = "--benchmark_min_time=0.01";
   static char default_min_time[] = "--benchmark_min_time=0.3";
   if (!user_min_time) {
-    args.insert(args.begin() + 1, size == Size::quick ? quick_min_time : default_min_time);
+    args.insert(args.begin() + 1, options->size == Size::quick ? quick_min_time : default_min_time);
   }
   int n_args = static_cast<int>(args.size());
   benchmark::Initialize(&n_args, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n_args, args.data())) return 2;
+  return !benchmark::ReportUnrecognizedArguments(n_args, args.data());
+}
 
-  std::vector<Impl> impls;
+// The kernels and baselines into `impls`; false, with a message, if the registry refuses.
+bool make_implementations(std::vector<Impl>* impls) {
   try {
-    impls = implementations();
+    *impls = implementations();
   } catch (const std::exception& e) {  // e.g. a bad MHA_MAX_ISA
     std::fprintf(stderr, "mha_bench: %s\n", e.what());
-    return 2;
+    return false;
   }
-  const std::vector<Shape> all_shapes =
-      shapes(size, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return true;
+}
+
+// Measures this machine's limits, once: the probe lives as long as the benchmarks that read it.
+const Probe& probe_machine(const std::vector<Shape>& all_shapes, const Caches& caches,
+                           const Options& options) {
   // Whether the L3 is faster than memory is only known once the probe has run: DRAM is
   // measured if any decode may read from it (probe.h: may_read_dram), which covers every
   // decode the probe's memory level then puts in DRAM.
-  const Caches caches = detect_caches();
   bool need_dram = false;
   for (const Shape& s : all_shapes) {
     need_dram |= s.decode() && may_read_dram(kv_bytes(workspace_problem(s)), caches);
   }
   std::fprintf(stderr, "mha_bench: probing the machine...\n");
-  static const Probe probe = run_probe(caches, need_dram || size == Size::full || probe_only);
+  static const Probe probe =
+      run_probe(caches, need_dram || options.size == Size::full || options.probe_only);
+  return probe;
+}
 
-  const auto ctx = [](const std::string& key, const std::string& value) {
-    benchmark::AddCustomContext(key, value);
-  };
+// One key of the JSON output's context.
+void ctx(const std::string& key, const std::string& value) {
+  benchmark::AddCustomContext(key, value);
+}
+
+// The build, the CPU and the probe's figures in the context, and the peaks on standard error.
+void write_context(Size size, const Caches& caches, const Probe& probe) {
   ctx("mha_size", size_name(size));
   ctx("mha_commit", MHA_COMMIT);
   ctx("mha_compiler", MHA_COMPILER);
@@ -907,45 +937,52 @@ int main(int argc, char** argv) {
                "L3 %.0f, DRAM %.1f (1 core; 0 = not measured)\n",
                probe.cores, peaks.c_str(), probe.l1_gbps[0], probe.l2_gbps[0], probe.l3_gbps[0],
                probe.dram_gbps[0]);
+}
 
-  if (probe_only) {
-    for (const FmaPeak& peak : probe.fma) {
-      std::printf("probe: FMA peak %.1f / %.1f GFLOP/s (1 core / %d cores, %s)\n", peak.gflops[0],
-                  peak.gflops[1], probe.cores, peak.isa.c_str());
-    }
-    const char* level[] = {"L1", "L2", "L3", "DRAM"};
-    const double* gbps[] = {probe.l1_gbps, probe.l2_gbps, probe.l3_gbps, probe.dram_gbps};
-    for (int i = 0; i < 4; ++i) {
-      std::printf("probe: %-4s read %.1f / %.1f GB/s\n", level[i], gbps[i][0], gbps[i][1]);
-    }
-    std::printf("probe: caches L1d %lld, L2 %lld, L3 %lld bytes; faster than memory up to %lld\n",
-                static_cast<long long>(caches.l1d), static_cast<long long>(caches.l2),
-                static_cast<long long>(caches.l3), static_cast<long long>(probe.memory_level()));
-    return 0;
+// --probe_only: the probe's figures on standard output.
+void print_probe(const Probe& probe, const Caches& caches) {
+  for (const FmaPeak& peak : probe.fma) {
+    std::printf("probe: FMA peak %.1f / %.1f GFLOP/s (1 core / %d cores, %s)\n", peak.gflops[0],
+                peak.gflops[1], probe.cores, peak.isa.c_str());
   }
+  const char* level[] = {"L1", "L2", "L3", "DRAM"};
+  const double* gbps[] = {probe.l1_gbps, probe.l2_gbps, probe.l3_gbps, probe.dram_gbps};
+  for (int i = 0; i < 4; ++i) {
+    std::printf("probe: %-4s read %.1f / %.1f GB/s\n", level[i], gbps[i][0], gbps[i][1]);
+  }
+  std::printf("probe: caches L1d %lld, L2 %lld, L3 %lld bytes; faster than memory up to %lld\n",
+              static_cast<long long>(caches.l1d), static_cast<long long>(caches.l2),
+              static_cast<long long>(caches.l3), static_cast<long long>(probe.memory_level()));
+}
 
-  // The peers: started once, before any benchmark, so their versions go in the context.
+// The peers: started once, before any benchmark, so their versions go in the context. Null
+// without --peers.
+std::unique_ptr<PeerServer> start_peers(const std::string& command, const Probe& probe) {
   std::unique_ptr<PeerServer> server;
-  if (!peers_command.empty()) {
-    server = std::make_unique<PeerServer>(peers_command);
-    if (!server->error().empty()) {
-      std::fprintf(stderr, "mha_bench: peers skipped: %s\n", server->error().c_str());
-    }
-    for (const std::string& why : server->skipped()) {
-      std::fprintf(stderr, "mha_bench: peer skipped: %s\n", why.c_str());
-      ctx("peer_skipped_" + why.substr(0, why.find(':')), why.substr(why.find(':') + 2));
-    }
-    for (const PeerInfo& peer : server->peers()) {
-      ctx(peer.name + "_version", peer.version);
-      if (!peer.how.empty()) ctx(peer.name + "_how", peer.how);
-      const double seconds = peer_overhead(*server, peer.name, probe);
-      if (seconds > 0) ctx(peer.name + "_overhead_us", fixed(seconds * 1e6, 1));
-    }
+  if (command.empty()) return server;
+  server = std::make_unique<PeerServer>(command);
+  if (!server->error().empty()) {
+    std::fprintf(stderr, "mha_bench: peers skipped: %s\n", server->error().c_str());
   }
+  for (const std::string& why : server->skipped()) {
+    std::fprintf(stderr, "mha_bench: peer skipped: %s\n", why.c_str());
+    ctx("peer_skipped_" + why.substr(0, why.find(':')), why.substr(why.find(':') + 2));
+  }
+  for (const PeerInfo& peer : server->peers()) {
+    ctx(peer.name + "_version", peer.version);
+    if (!peer.how.empty()) ctx(peer.name + "_how", peer.how);
+    const double seconds = peer_overhead(*server, peer.name, probe);
+    if (seconds > 0) ctx(peer.name + "_overhead_us", fixed(seconds * 1e6, 1));
+  }
+  return server;
+}
 
-  // Shape by shape, so that kernels and peers of one shape are measured next to each other;
-  // with --rounds=N each shape's implementations run N times in turn (the same name N times
-  // in the output), so every ratio can come from neighbouring measurements.
+// Registers the attention shapes' kernels, baselines and peers (`server` null: no peers).
+// Shape by shape, so that kernels and peers of one shape are measured next to each other;
+// with --rounds=N each shape's implementations run N times in turn (the same name N times
+// in the output), so every ratio can come from neighbouring measurements.
+void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Impl>& impls,
+                     PeerServer* server, const Options& options, const Probe& probe) {
   std::vector<Shape> unique_shapes;
   std::set<std::string> shapes_seen;
   for (const Shape& s : all_shapes) {
@@ -957,41 +994,44 @@ int main(int argc, char** argv) {
     // "decode/B:1/H:32/..." without the implementation's slot
     const std::string shape = s.family + s.name("").substr(s.family.size() + 1);
     std::vector<std::string> peers;
-    if (server) {
+    if (server != nullptr) {
       const mha::Problem p = workspace_problem(s);
       for (const PeerInfo& peer : server->peers()) {
         std::string why;
         if (server->supports(peer.name, p, &why)) peers.push_back(peer.name);
       }
     }
-    for (int r = 0; r < rounds; ++r) {
+    for (int r = 0; r < options.rounds; ++r) {
       for (const Impl& impl : impls) {
         // An untiled kernel streams its head's K and V once per query row: beyond 2048 rows
         // a run would take minutes.
         if (!impl.tiled && s.q_len > 2048) continue;
-        if (impl.portable && size == Size::default_size && !headline(s)) continue;
-        benchmark::RegisterBenchmark(s.name(impl.name).c_str(),
-                                     [impl, s, shape, index, shape_count](benchmark::State& st) {
-                                       progress(shape, index, shape_count);
-                                       run_benchmark(st, impl, s, probe);
-                                     })
+        if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
+        benchmark::RegisterBenchmark(
+            s.name(impl.name).c_str(),
+            [impl, s, shape, index, shape_count, &probe](benchmark::State& st) {
+              progress(shape, index, shape_count);
+              run_benchmark(st, impl, s, probe);
+            })
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
       }
       for (const std::string& peer : peers) {
-        PeerServer* srv = server.get();
-        benchmark::RegisterBenchmark(
-            s.name(peer).c_str(),
-            [srv, peer, s](benchmark::State& st) { run_peer_benchmark(st, *srv, peer, s, probe); })
+        benchmark::RegisterBenchmark(s.name(peer).c_str(),
+                                     [server, peer, s, &probe](benchmark::State& st) {
+                                       run_peer_benchmark(st, *server, peer, s, probe);
+                                     })
             ->UseManualTime()
             ->Unit(benchmark::kMillisecond);
       }
     }
   }
+}
 
-  // The cliff sweep, after the attention shapes: its rounds each cover the whole grid, a
-  // problem at a time (under every configuration and kernel, so that its tensors and its
-  // reference are made once a round).
+// Registers the cliff sweep, after the attention shapes: its rounds each cover the whole
+// grid, a problem at a time (under every configuration and kernel, so that its tensors and
+// its reference are made once a round).
+void register_cliff_sweep(const std::vector<Impl>& impls, Size size, const Probe& probe) {
   const std::vector<CacheConfig> configs = cliff_configs(size);
   const std::vector<Shape> cliff_problems = cliff_shapes(size);
   const int cliff_rounds = size == Size::quick ? 1 : 3;
@@ -1010,7 +1050,7 @@ int main(int argc, char** argv) {
           if (!impl.tiled || impl.isa.empty()) continue;  // registry kernels that tile
           benchmark::RegisterBenchmark(
               s.name(impl.name).c_str(),
-              [impl, s, what, config, cliff_step, cliff_steps](benchmark::State& st) {
+              [impl, s, what, config, cliff_step, cliff_steps, &probe](benchmark::State& st) {
                 progress(what, cliff_step, cliff_steps);
                 run_cliff_benchmark(st, impl, s, config.caches, probe);
               })
@@ -1021,32 +1061,29 @@ int main(int argc, char** argv) {
       }
     }
   }
-  {
-    const mha::support::Caches own = mha::support::caches();
-    ctx("cliffs_native_caches", std::to_string(own.l1d >> 10) + "K," +
-                                    std::to_string(own.l2 >> 10) + "K," +
-                                    std::to_string(own.l3 >> 10) + "K");
-  }
+  const mha::support::Caches own = mha::support::caches();
+  ctx("cliffs_native_caches", std::to_string(own.l1d >> 10) + "K," + std::to_string(own.l2 >> 10) +
+                                  "K," + std::to_string(own.l3 >> 10) + "K");
+}
 
+// Registers the gemm/ and layer/ benchmarks (layer_bench.h), except in the cliff sweep alone.
+void register_layers(const Options& options, const Probe& probe, PeerServer* server) {
   LayerBenchOptions layer_options;
-  layer_options.quick = size == Size::quick;
-  layer_options.full = size == Size::full;
+  layer_options.quick = options.size == Size::quick;
+  layer_options.full = options.size == Size::full;
   layer_options.cores = probe.cores;
-  layer_options.rounds = rounds;
+  layer_options.rounds = options.rounds;
   layer_options.probe = &probe;
-  layer_options.server = server.get();
-  if (size != Size::cliffs) {
+  layer_options.server = server;
+  if (options.size != Size::cliffs) {
     register_gemm_benchmarks(layer_options);
     register_layer_benchmarks(layer_options);
   }
+}
 
-  Checked<benchmark::ConsoleReporter> console;
-  Checked<benchmark::JSONReporter> json_console;
-  Checked<benchmark::JSONReporter> json_file;
-  benchmark::BenchmarkReporter* display =
-      json_display ? static_cast<benchmark::BenchmarkReporter*>(&json_console) : &console;
-  benchmark::RunSpecifiedBenchmarks(display, json_out ? &json_file : nullptr);
-  benchmark::Shutdown();
+// The exit status once the benchmarks ran: 1 when the probe is wrong, when a --plant run let a
+// planted answer through (or caught none), or when a benchmark reported an error; else 0.
+int exit_status() {
   if (g_probe_wrong) {
     std::fprintf(stderr, "mha_bench: a peak_frac or bw_frac exceeded %s: the probe is wrong\n",
                  slack_text().c_str());
@@ -1066,4 +1103,45 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+// Runs every registered benchmark through the checking reporters; returns the exit status.
+int run(const Options& options) {
+  Checked<benchmark::ConsoleReporter> console;
+  Checked<benchmark::JSONReporter> json_console;
+  Checked<benchmark::JSONReporter> json_file;
+  benchmark::BenchmarkReporter* display =
+      options.json_display ? static_cast<benchmark::BenchmarkReporter*>(&json_console) : &console;
+  benchmark::RunSpecifiedBenchmarks(display, options.json_out ? &json_file : nullptr);
+  benchmark::Shutdown();
+  return exit_status();
+}
+
+}  // namespace
+}  // namespace mha::bench
+
+int main(int argc, char** argv) {
+  using namespace mha::bench;
+#if MHA_HAVE_OPENBLAS
+  use_best_openblas_core(argv);
+#endif
+  Options options;
+  if (!parse_options(argc, argv, &options)) return 2;
+  if (!initialize_google_benchmark(&options)) return 2;
+  std::vector<Impl> impls;
+  if (!make_implementations(&impls)) return 2;
+  const std::vector<Shape> all_shapes =
+      shapes(options.size, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  const Caches caches = detect_caches();
+  const Probe& probe = probe_machine(all_shapes, caches, options);
+  write_context(options.size, caches, probe);
+  if (options.probe_only) {
+    print_probe(probe, caches);
+    return 0;
+  }
+  const std::unique_ptr<PeerServer> server = start_peers(options.peers_command, probe);
+  register_shapes(all_shapes, impls, server.get(), options, probe);
+  register_cliff_sweep(impls, options.size, probe);
+  register_layers(options, probe, server.get());
+  return run(options);
 }

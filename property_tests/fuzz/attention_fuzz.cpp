@@ -26,6 +26,7 @@
 #include <mha/registry.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -576,111 +577,172 @@ class Oracle {
   int modeled_ = -1;
 };
 
-// mha::merge of `count` parts whose values come from the bytes, against merge's formula in
-// double within a bound derived like reference/tolerance.h's: with x_c = lse_c - m, the fp32
-// subtraction moves x_c by at most u |x_c| and expf (glibc, under 1 ulp) adds 2^-23, so each
-// weight is within eta = exp(u max|x_c|)(1 + 2^-23) - 1; the normalized weights then move by
-// weight_shift(eta), the normalization, products and sums add accumulation_factor(count)
-// (both times the largest |o_c|), and lse is off by log(1 + eta) - log(1 - gamma(count))
-// plus five roundings of values up to |m| + log(count) + 1.
-void merge_parts(Bytes& in, const Problem& p, Values& values) {
+// The parts' count and layout, as merge_parts reads them: a count byte (0, -1, INT_MIN or 1
+// to 4), then the parts' o strides and lse strides. parts.o and parts.lse stay null.
+Parts read_parts_layout(Bytes& in, const Problem& p) {
   const std::uint8_t count_byte = in.u8();
   static constexpr int kCounts[8] = {0, -1, std::numeric_limits<int>::min(), 1, 2, 3, 4, 2};
-  const int count = kCounts[count_byte % 8];
   Parts parts;
-  parts.count = count;
+  parts.count = kCounts[count_byte % 8];
   parts.o_strides = strides(in, p.q_len, p.q_heads, p.head_dim);
   parts.lse_strides = lse_strides(in, p.batch, p.q_heads, p.q_len);
-  const std::uint8_t flags = in.u8();
-  Problem shape = p;  // the parts' layout: sized as o and lse are
-  shape.o = parts.o_strides;
-  shape.lse = parts.lse_strides;
-  // The parts' strides must be >= 0 with highest offsets that fit int64_t bytes, as check()
-  // requires of an input: otherwise merge cannot keep its reads inside the parts.
+  return parts;
+}
+
+// The parts' strides must be >= 0 with highest offsets that fit int64_t bytes, as check()
+// requires of an input: otherwise merge cannot keep its reads inside the parts.
+bool part_strides_valid(const Problem& p, const Parts& parts) {
   const i64 o_ext4[4] = {p.batch, p.q_len, p.q_heads, p.head_dim};
   const i64 o_str4[4] = {parts.o_strides.batch, parts.o_strides.seq, parts.o_strides.head, 1};
   const i64 lse_ext3[3] = {p.batch, p.q_heads, p.q_len};
   const i64 lse_str3[3] = {parts.lse_strides.batch, parts.lse_strides.head, 1};
-  const bool strides_valid = *std::min_element(o_str4, o_str4 + 4) >= 0 &&
-                             *std::min_element(lse_str3, lse_str3 + 3) >= 0 &&
-                             highest(o_ext4, o_str4, 4) <= kMax / 4 &&
-                             highest(lse_ext3, lse_str3, 3) <= kMax / 4;
+  return *std::min_element(o_str4, o_str4 + 4) >= 0 &&
+         *std::min_element(lse_str3, lse_str3 + 3) >= 0 && highest(o_ext4, o_str4, 4) <= kMax / 4 &&
+         highest(lse_ext3, lse_str3, 3) <= kMax / 4;
+}
 
-  if (count < 1 || (flags & 8) != 0) {
-    Buffer o(o_extent(p));
-    const float* none[1] = {nullptr};
-    parts.o = (flags & 8) != 0 ? nullptr : none;
-    parts.lse = none;
-    expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); },
-                    "mha::merge: needs parts.count >= 1 and non-null o, parts.o and parts.lse",
-                    "mha::merge of " + std::to_string(count) + " parts");
-    return;
-  }
-  if (!strides_valid) {
-    // Parts that cannot be sized: one float each, which merge must not read past.
-    std::vector<Buffer> bufs;
-    for (int c = 0; c < 2 * count; ++c) bufs.emplace_back(1);
-    std::vector<const float*> po, pl;
-    for (int c = 0; c < count; ++c) {
-      po.push_back(bufs[static_cast<std::size_t>(2 * c)].data.get());
-      pl.push_back(bufs[static_cast<std::size_t>(2 * c + 1)].data.get());
-    }
-    parts.o = po.data();
-    parts.lse = pl.data();
-    Buffer o(o_extent(p));
-    const std::string message = "mha::merge: parts.o_strides {batch " + std::to_string(o_str4[0]) +
-                                ", seq " + std::to_string(o_str4[1]) + ", head " +
-                                std::to_string(o_str4[2]) + "} and parts.lse_strides {batch " +
-                                std::to_string(lse_str3[0]) + ", head " +
-                                std::to_string(lse_str3[1]) +
-                                "} must be >= 0 with a highest offset that fits int64_t bytes";
-    expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); }, message,
-                    "mha::merge with parts that cannot be sized");
-    return;
-  }
-  const i64 part_o_extent = o_extent(shape), part_lse_extent = lse_extent(shape);
-  if (static_cast<double>(count) * static_cast<double>(part_o_extent + part_lse_extent) >
-      kMaxFloats) {
-    return;
-  }
-  const std::vector<bool> o_elements =
-      element_mask(part_o_extent, parts.o_strides, p.batch, p.q_len, p.q_heads, p.head_dim);
-  const std::vector<bool> lse_elements = lse_mask(shape);
-  std::vector<Buffer> part_o, part_lse;
+// A count below 1, or a null parts.o (flag bit 3), must be rejected before anything is read.
+void expect_merge_rejects_no_parts(const Problem& p, Parts parts, std::uint8_t flags) {
+  Buffer o(o_extent(p));
+  const float* none[1] = {nullptr};
+  parts.o = (flags & 8) != 0 ? nullptr : none;
+  parts.lse = none;
+  expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); },
+                  "mha::merge: needs parts.count >= 1 and non-null o, parts.o and parts.lse",
+                  "mha::merge of " + std::to_string(parts.count) + " parts");
+}
+
+// Parts that cannot be sized: one float each, which merge must not read past.
+void expect_merge_rejects_unsized_parts(const Problem& p, Parts parts) {
+  const int count = parts.count;
+  std::vector<Buffer> bufs;
+  for (int c = 0; c < 2 * count; ++c) bufs.emplace_back(1);
   std::vector<const float*> po, pl;
   for (int c = 0; c < count; ++c) {
-    part_o.emplace_back(part_o_extent);
-    part_lse.emplace_back(part_lse_extent);
-    for (i64 i = 0; i < part_o_extent; ++i) {
-      if (o_elements[static_cast<std::size_t>(i)]) part_o.back().data[i] = values.next();
-    }
-    for (i64 i = 0; i < part_lse_extent; ++i) {
-      if (lse_elements[static_cast<std::size_t>(i)]) part_lse.back().data[i] = values.next_lse();
-    }
-  }
-  for (int c = 0; c < count; ++c) {
-    po.push_back(part_o[static_cast<std::size_t>(c)].data.get());
-    pl.push_back(part_lse[static_cast<std::size_t>(c)].data.get());
+    po.push_back(bufs[static_cast<std::size_t>(2 * c)].data.get());
+    pl.push_back(bufs[static_cast<std::size_t>(2 * c + 1)].data.get());
   }
   parts.o = po.data();
   parts.lse = pl.data();
-  const int null_part = (flags & 4) != 0 ? in.u8() % count : -1;
-  if (null_part >= 0) {
-    ((flags & 16) != 0 ? po : pl)[static_cast<std::size_t>(null_part)] = nullptr;
-    Buffer o(o_extent(p));
-    expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); },
-                    "mha::merge: part " + std::to_string(null_part) + " is null",
-                    "mha::merge with a null part");
+  Buffer o(o_extent(p));
+  const std::string message =
+      "mha::merge: parts.o_strides {batch " + std::to_string(parts.o_strides.batch) + ", seq " +
+      std::to_string(parts.o_strides.seq) + ", head " + std::to_string(parts.o_strides.head) +
+      "} and parts.lse_strides {batch " + std::to_string(parts.lse_strides.batch) + ", head " +
+      std::to_string(parts.lse_strides.head) +
+      "} must be >= 0 with a highest offset that fits int64_t bytes";
+  expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); }, message,
+                  "mha::merge with parts that cannot be sized");
+}
+
+// The parts of a merge, each part's o and lse in a buffer of exactly the extent of the parts'
+// layout, and the pointers merge is given.
+struct PartBuffers {
+  std::vector<Buffer> o, lse;
+  std::vector<const float*> po, pl;
+};
+
+// Parts whose elements take the next values (o from next(), lse from next_lse()); their
+// padding keeps the NaN pattern. `shape` is p with the parts' strides.
+PartBuffers make_parts(const Problem& p, const Problem& shape, const Parts& parts, Values& values) {
+  const i64 part_o_extent = o_extent(shape), part_lse_extent = lse_extent(shape);
+  const std::vector<bool> o_elements =
+      element_mask(part_o_extent, parts.o_strides, p.batch, p.q_len, p.q_heads, p.head_dim);
+  const std::vector<bool> lse_elements = lse_mask(shape);
+  PartBuffers out;
+  for (int c = 0; c < parts.count; ++c) {
+    out.o.emplace_back(part_o_extent);
+    out.lse.emplace_back(part_lse_extent);
+    for (i64 i = 0; i < part_o_extent; ++i) {
+      if (o_elements[static_cast<std::size_t>(i)]) out.o.back().data[i] = values.next();
+    }
+    for (i64 i = 0; i < part_lse_extent; ++i) {
+      if (lse_elements[static_cast<std::size_t>(i)]) out.lse.back().data[i] = values.next_lse();
+    }
+  }
+  for (int c = 0; c < parts.count; ++c) {
+    out.po.push_back(out.o[static_cast<std::size_t>(c)].data.get());
+    out.pl.push_back(out.lse[static_cast<std::size_t>(c)].data.get());
+  }
+  return out;
+}
+
+// Part `null_part`'s o (`null_o`) or lse pointer set to null must be rejected.
+void expect_merge_rejects_null_part(const Problem& p, const Parts& parts, int null_part,
+                                    bool null_o, PartBuffers* bufs) {
+  (null_o ? bufs->po : bufs->pl)[static_cast<std::size_t>(null_part)] = nullptr;
+  Buffer o(o_extent(p));
+  expect_rejected([&] { merge(p, parts, o.data.get(), nullptr); },
+                  "mha::merge: part " + std::to_string(null_part) + " is null",
+                  "mha::merge with a null part");
+}
+
+// What merge must give, row by row (r = (b H + h) Lq + i): o (head_dim values a row) and lse,
+// their bounds, and whether the row's o is within the tolerance model.
+struct MergeWant {
+  std::vector<double> o, lse, tol_o, tol_lse;
+  std::vector<char> check_o;
+};
+
+// Row r of `want`, from the parts' lse at lse_off and their o rows at o_off.
+void want_merged_row(const Problem& p, const PartBuffers& bufs, int count, i64 lse_off, i64 o_off,
+                     i64 r, MergeWant* want) {
+  const std::vector<const float*>& po = bufs.po;
+  const std::vector<const float*>& pl = bufs.pl;
+  const double u = 0x1p-24, inf = std::numeric_limits<double>::infinity();
+  double m = -inf;
+  bool nan = false;
+  for (int c = 0; c < count; ++c) {
+    const double l = pl[static_cast<std::size_t>(c)][lse_off];
+    nan |= std::isnan(l);
+    m = std::max(m, l);
+  }
+  double* o_row = &want->o[static_cast<std::size_t>(r * p.head_dim)];
+  if (nan || m == -inf) {
+    std::fill(o_row, o_row + p.head_dim, nan ? std::nan("") : 0.0);
+    want->lse[static_cast<std::size_t>(r)] = nan ? std::nan("") : -inf;
     return;
   }
+  double sum = 0, x_max = 0, o_max = 0;
+  for (int c = 0; c < count; ++c) {
+    const double l = pl[static_cast<std::size_t>(c)][lse_off];
+    sum += std::exp(l - m);
+    if (l != -inf) {
+      x_max = std::max(x_max, std::fabs(l - m));
+      for (i64 d = 0; d < p.head_dim; ++d) {
+        const double x = std::fabs(static_cast<double>(po[static_cast<std::size_t>(c)][o_off + d]));
+        if (std::isfinite(x)) o_max = std::max(o_max, x);
+      }
+    }
+  }
+  for (i64 d = 0; d < p.head_dim; ++d) {
+    double acc = 0;
+    for (int c = 0; c < count; ++c) {
+      const double l = pl[static_cast<std::size_t>(c)][lse_off];
+      if (l == -inf) continue;  // contributes nothing, as documented
+      acc += std::exp(l - m) / sum * po[static_cast<std::size_t>(c)][o_off + d];
+    }
+    o_row[d] = acc;
+  }
+  want->lse[static_cast<std::size_t>(r)] = m + std::log(sum);
+  const double eta = std::exp(u * x_max) * (1.0 + 2.0 * u) - 1.0;
+  want->tol_o[static_cast<std::size_t>(r)] =
+      (ref::weight_shift(eta) + ref::accumulation_factor(count)) * o_max;
+  want->tol_lse[static_cast<std::size_t>(r)] =
+      std::log1p(eta) - std::log1p(-ref::gamma(count)) +
+      5.0 * 2.0 * u * (std::fabs(m) + std::log(static_cast<double>(count)) + 1.0);
+  want->check_o[static_cast<std::size_t>(r)] = o_max <= kModelLimit && row_modeled(o_max);
+}
 
-  // The expected rows, from the parts before the call (o may be merged into part 0).
+// The expected rows, from the parts before the call (o may be merged into part 0).
+MergeWant merge_want(const Problem& p, const Parts& parts, const PartBuffers& bufs) {
   const i64 rows = p.batch * p.q_heads * p.q_len;
-  std::vector<double> want_o(static_cast<std::size_t>(rows * p.head_dim)),
-      want_lse(static_cast<std::size_t>(rows)), tol_o(static_cast<std::size_t>(rows)),
-      tol_lse(static_cast<std::size_t>(rows));
-  std::vector<char> check_o(static_cast<std::size_t>(rows));
-  const double u = 0x1p-24, inf = std::numeric_limits<double>::infinity();
+  MergeWant want;
+  want.o.resize(static_cast<std::size_t>(rows * p.head_dim));
+  want.lse.resize(static_cast<std::size_t>(rows));
+  want.tol_o.resize(static_cast<std::size_t>(rows));
+  want.tol_lse.resize(static_cast<std::size_t>(rows));
+  want.check_o.resize(static_cast<std::size_t>(rows));
   for (i64 b = 0; b < p.batch; ++b) {
     for (i64 h = 0; h < p.q_heads; ++h) {
       for (i64 i = 0; i < p.q_len; ++i) {
@@ -688,59 +750,64 @@ void merge_parts(Bytes& in, const Problem& p, Values& values) {
         const i64 lse_off = b * parts.lse_strides.batch + h * parts.lse_strides.head + i;
         const i64 o_off =
             b * parts.o_strides.batch + i * parts.o_strides.seq + h * parts.o_strides.head;
-        double m = -inf;
-        bool nan = false;
-        for (int c = 0; c < count; ++c) {
-          const double l = pl[static_cast<std::size_t>(c)][lse_off];
-          nan |= std::isnan(l);
-          m = std::max(m, l);
-        }
-        double* o_row = &want_o[static_cast<std::size_t>(r * p.head_dim)];
-        if (nan || m == -inf) {
-          std::fill(o_row, o_row + p.head_dim, nan ? std::nan("") : 0.0);
-          want_lse[static_cast<std::size_t>(r)] = nan ? std::nan("") : -inf;
-          continue;
-        }
-        double sum = 0, x_max = 0, o_max = 0;
-        for (int c = 0; c < count; ++c) {
-          const double l = pl[static_cast<std::size_t>(c)][lse_off];
-          sum += std::exp(l - m);
-          if (l != -inf) {
-            x_max = std::max(x_max, std::fabs(l - m));
-            for (i64 d = 0; d < p.head_dim; ++d) {
-              const double x =
-                  std::fabs(static_cast<double>(po[static_cast<std::size_t>(c)][o_off + d]));
-              if (std::isfinite(x)) o_max = std::max(o_max, x);
-            }
-          }
-        }
-        for (i64 d = 0; d < p.head_dim; ++d) {
-          double acc = 0;
-          for (int c = 0; c < count; ++c) {
-            const double l = pl[static_cast<std::size_t>(c)][lse_off];
-            if (l == -inf) continue;  // contributes nothing, as documented
-            acc += std::exp(l - m) / sum * po[static_cast<std::size_t>(c)][o_off + d];
-          }
-          o_row[d] = acc;
-        }
-        want_lse[static_cast<std::size_t>(r)] = m + std::log(sum);
-        const double eta = std::exp(u * x_max) * (1.0 + 2.0 * u) - 1.0;
-        tol_o[static_cast<std::size_t>(r)] =
-            (ref::weight_shift(eta) + ref::accumulation_factor(count)) * o_max;
-        tol_lse[static_cast<std::size_t>(r)] =
-            std::log1p(eta) - std::log1p(-ref::gamma(count)) +
-            5.0 * 2.0 * u * (std::fabs(m) + std::log(static_cast<double>(count)) + 1.0);
-        check_o[static_cast<std::size_t>(r)] = o_max <= kModelLimit && row_modeled(o_max);
+        want_merged_row(p, bufs, parts.count, lse_off, o_off, r, &want);
       }
     }
   }
+  return want;
+}
 
+// Every row of merge's o and lse (lse may be null) against `want`: o of a row no part saw is
+// 0 and its lse -inf; other rows within their bounds, o where the model holds.
+void compare_merged(const Problem& p, const float* o, const float* lse, const MergeWant& want,
+                    int count) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (i64 b = 0; b < p.batch; ++b) {
+    for (i64 h = 0; h < p.q_heads; ++h) {
+      for (i64 i = 0; i < p.q_len; ++i) {
+        const std::size_t r = static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i);
+        const std::string where = "mha::merge of " + std::to_string(count) +
+                                  " parts, row [b=" + std::to_string(b) +
+                                  "][h=" + std::to_string(h) + "][i=" + std::to_string(i) + "]";
+        const bool masked = want.lse[r] == -inf;
+        for (i64 d = 0; d < p.head_dim; ++d) {
+          const double got = o[b * p.o.batch + i * p.o.seq + h * p.o.head + d];
+          const double w =
+              want.o[r * static_cast<std::size_t>(p.head_dim) + static_cast<std::size_t>(d)];
+          if (masked) {
+            expect(got == 0.0, where + ": o of a row no part saw is not 0");
+          } else if (std::isnan(w) || want.check_o[r]) {
+            expect(close(got, w, want.tol_o[r]), where + ": o[" + std::to_string(d) +
+                                                     "] = " + std::to_string(got) + ", expected " +
+                                                     std::to_string(w) + " within " +
+                                                     std::to_string(want.tol_o[r]));
+          }
+        }
+        if (lse == nullptr) continue;
+        const double got = lse[b * p.lse.batch + h * p.lse.head + i];
+        const bool ok = masked
+                            ? got == -inf
+                            : (std::isinf(want.lse[r]) ? got == want.lse[r]
+                                                       : close(got, want.lse[r], want.tol_lse[r]));
+        expect(ok, where + ": lse = " + std::to_string(got) + ", expected " +
+                       std::to_string(want.lse[r]) + " within " + std::to_string(want.tol_lse[r]));
+      }
+    }
+  }
+}
+
+// merge of the parts into o in a buffer of its own or, with flag bit 0 when the strides agree,
+// in place into part 0; into lse unless flag bit 1 says none. The parts' lse and the padding
+// of o and lse must stay untouched, and every row must match `want`.
+void merge_and_compare(const Problem& p, const Parts& parts, const PartBuffers& bufs,
+                       std::uint8_t flags, const MergeWant& want) {
+  const int count = parts.count;
   const bool in_place = (flags & 1) != 0 && parts.o_strides.batch == p.o.batch &&
                         parts.o_strides.seq == p.o.seq && parts.o_strides.head == p.o.head;
   std::unique_ptr<Buffer> own_o;
   float* o = nullptr;
   if (in_place) {
-    o = part_o[0].data.get();
+    o = bufs.o[0].data.get();
   } else {
     own_o = std::make_unique<Buffer>(o_extent(p));
     o = own_o->data.get();
@@ -749,101 +816,142 @@ void merge_parts(Bytes& in, const Problem& p, Values& values) {
   if ((flags & 2) == 0) lse = std::make_unique<Buffer>(lse_extent(p));
   std::vector<std::vector<float>> before;
   for (int c = 0; c < count; ++c)
-    before.push_back(part_lse[static_cast<std::size_t>(c)].snapshot());
+    before.push_back(bufs.lse[static_cast<std::size_t>(c)].snapshot());
   expect_accepted([&] { merge(p, parts, o, lse ? lse->data.get() : nullptr); }, "mha::merge");
 
   for (int c = 0; c < count; ++c) {
-    expect(part_lse[static_cast<std::size_t>(c)].same_as(before[static_cast<std::size_t>(c)]),
+    expect(bufs.lse[static_cast<std::size_t>(c)].same_as(before[static_cast<std::size_t>(c)]),
            "mha::merge wrote a part's lse");
   }
   const std::vector<bool> out_elements =
       element_mask(o_extent(p), p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
   if (own_o) expect_padding_untouched(*own_o, out_elements, "mha::merge");
   if (lse) expect_padding_untouched(*lse, lse_mask(p), "mha::merge (lse)");
-  for (i64 b = 0; b < p.batch; ++b) {
-    for (i64 h = 0; h < p.q_heads; ++h) {
-      for (i64 i = 0; i < p.q_len; ++i) {
-        const std::size_t r = static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i);
-        const std::string where = "mha::merge of " + std::to_string(count) +
-                                  " parts, row [b=" + std::to_string(b) +
-                                  "][h=" + std::to_string(h) + "][i=" + std::to_string(i) + "]";
-        const bool masked = want_lse[r] == -inf;
-        for (i64 d = 0; d < p.head_dim; ++d) {
-          const double got = o[b * p.o.batch + i * p.o.seq + h * p.o.head + d];
-          const double w =
-              want_o[r * static_cast<std::size_t>(p.head_dim) + static_cast<std::size_t>(d)];
-          if (masked) {
-            expect(got == 0.0, where + ": o of a row no part saw is not 0");
-          } else if (std::isnan(w) || check_o[r]) {
-            expect(close(got, w, tol_o[r]),
-                   where + ": o[" + std::to_string(d) + "] = " + std::to_string(got) +
-                       ", expected " + std::to_string(w) + " within " + std::to_string(tol_o[r]));
-          }
-        }
-        if (!lse) continue;
-        const double got = lse->data[b * p.lse.batch + h * p.lse.head + i];
-        const bool ok = masked ? got == -inf
-                               : (std::isinf(want_lse[r]) ? got == want_lse[r]
-                                                          : close(got, want_lse[r], tol_lse[r]));
-        expect(ok, where + ": lse = " + std::to_string(got) + ", expected " +
-                       std::to_string(want_lse[r]) + " within " + std::to_string(tol_lse[r]));
-      }
-    }
-  }
+  compare_merged(p, o, lse ? lse->data.get() : nullptr, want, count);
 }
 
-// The calls on real buffers, for a problem check() admitted whose buffers are small.
-void run_calls(Bytes& in, const Problem& p) {
-  const std::uint8_t memory = in.u8();
-  const i64 q_ext = q_extent(p), k_ext = k_extent(p), v_ext = v_extent(p), o_ext = o_extent(p),
-            lse_ext = lse_extent(p);
+// mha::merge of `count` parts whose values come from the bytes, against merge's formula in
+// double within a bound derived like reference/tolerance.h's: with x_c = lse_c - m, the fp32
+// subtraction moves x_c by at most u |x_c| and expf (glibc, under 1 ulp) adds 2^-23, so each
+// weight is within eta = exp(u max|x_c|)(1 + 2^-23) - 1; the normalized weights then move by
+// weight_shift(eta), the normalization, products and sums add accumulation_factor(count)
+// (both times the largest |o_c|), and lse is off by log(1 + eta) - log(1 - gamma(count))
+// plus five roundings of values up to |m| + log(count) + 1.
+void merge_parts(Bytes& in, const Problem& p, Values& values) {
+  Parts parts = read_parts_layout(in, p);
+  // Bit 0: o into part 0; 1: no lse; 2: a null part (bit 4: its o, else its lse); 3: a null
+  // parts.o.
+  const std::uint8_t flags = in.u8();
+  Problem shape = p;  // the parts' layout: sized as o and lse are
+  shape.o = parts.o_strides;
+  shape.lse = parts.lse_strides;
+  const bool strides_valid = part_strides_valid(p, parts);
+  if (parts.count < 1 || (flags & 8) != 0) {
+    expect_merge_rejects_no_parts(p, parts, flags);
+    return;
+  }
+  if (!strides_valid) {
+    expect_merge_rejects_unsized_parts(p, parts);
+    return;
+  }
+  if (static_cast<double>(parts.count) * static_cast<double>(o_extent(shape) + lse_extent(shape)) >
+      kMaxFloats) {
+    return;
+  }
+  PartBuffers bufs = make_parts(p, shape, parts, values);
+  parts.o = bufs.po.data();
+  parts.lse = bufs.pl.data();
+  if ((flags & 4) != 0) {
+    const int null_part = in.u8() % parts.count;
+    expect_merge_rejects_null_part(p, parts, null_part, (flags & 16) != 0, &bufs);
+    return;
+  }
+  merge_and_compare(p, parts, bufs, flags, merge_want(p, parts, bufs));
+}
 
-  // Inputs: separate buffers, K and V in one (k == v), or q, k and v all in one.
-  std::vector<std::unique_ptr<Buffer>> inputs;
+// The input buffers of run_calls, as bits 0-1 of its memory byte say: separate buffers, K and V
+// in one (k == v), or q, k and v all in one.
+struct InputBuffers {
+  std::vector<std::unique_ptr<Buffer>> buffers;
   const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
+  std::vector<std::vector<float>> snapshots;  // the buffers once their values are in
+
+  // A call must not write into an input's buffer.
+  void expect_unchanged(const std::string& what) const {
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      expect(buffers[i]->same_as(snapshots[i]), what + " wrote into an input's buffer");
+    }
+  }
+};
+
+InputBuffers allocate_inputs(std::uint8_t memory, const Problem& p) {
+  const i64 q_ext = q_extent(p), k_ext = k_extent(p), v_ext = v_extent(p);
+  InputBuffers out;
+  std::vector<std::unique_ptr<Buffer>>& inputs = out.buffers;
   switch (memory & 3) {
     case 1:
       inputs.push_back(std::make_unique<Buffer>(q_ext));
       inputs.push_back(std::make_unique<Buffer>(std::max(k_ext, v_ext)));
-      q = inputs[0]->data.get();
-      k = v = inputs[1]->data.get();
+      out.q = inputs[0]->data.get();
+      out.k = out.v = inputs[1]->data.get();
       break;
     case 2:
       inputs.push_back(std::make_unique<Buffer>(std::max({q_ext, k_ext, v_ext})));
-      q = k = v = inputs[0]->data.get();
+      out.q = out.k = out.v = inputs[0]->data.get();
       break;
     default:
       inputs.push_back(std::make_unique<Buffer>(q_ext));
       inputs.push_back(std::make_unique<Buffer>(k_ext));
       inputs.push_back(std::make_unique<Buffer>(v_ext));
-      q = inputs[0]->data.get();
-      k = inputs[1]->data.get();
-      v = inputs[2]->data.get();
+      out.q = inputs[0]->data.get();
+      out.k = inputs[1]->data.get();
+      out.v = inputs[2]->data.get();
   }
-  // Outputs: their own buffers, or o inside q's or v's, lse inside o's, or a null pointer.
-  Buffer o_buf(o_ext), lse_buf(lse_ext);
-  float* o = o_buf.data.get();
-  float* lse = (memory & 0x20) != 0 ? nullptr : lse_buf.data.get();
+  return out;
+}
+
+// The output buffers of run_calls, and where the calls write: o and lse in their own buffers
+// until call_pointers moves them; lse null with bit 5 of the memory byte.
+struct OutputBuffers {
+  OutputBuffers(const Problem& p, std::uint8_t memory)
+      : o_buf(o_extent(p)),
+        lse_buf(lse_extent(p)),
+        o(o_buf.data.get()),
+        lse((memory & 0x20) != 0 ? nullptr : lse_buf.data.get()) {}
+  Buffer o_buf, lse_buf;
+  float* o;
+  float* lse;
+};
+
+// The pointers the calls pass (q, k, v, o, lse), as bits 2-4 of the memory byte say: o inside
+// q's or v's buffer, lse inside o's, or one of q, k, v and o null. Moves out->o and out->lse
+// to match.
+std::array<const float*, 5> call_pointers(Bytes& in, std::uint8_t memory, const Problem& p,
+                                          const InputBuffers& inputs, OutputBuffers* out) {
+  const i64 q_ext = q_extent(p), k_ext = k_extent(p), v_ext = v_extent(p), o_ext = o_extent(p);
+  const float* q = inputs.q;
+  const float* k = inputs.k;
+  const float* v = inputs.v;
   const auto inside = [&](const float* base, i64 size) {
     return const_cast<float*>(base) + in.u8() % size;
   };
   const float* call_in[3] = {q, k, v};  // what the calls pass: one may be null
   switch ((memory >> 2) & 7) {
     case 4:
-      o = inside(q, q == v ? std::max({q_ext, k_ext, v_ext}) : q_ext);
+      out->o = inside(q, q == v ? std::max({q_ext, k_ext, v_ext}) : q_ext);
       break;
     case 5:
-      o = inside(v, v == k ? std::max(k_ext, v_ext) : v_ext);
+      out->o = inside(v, v == k ? std::max(k_ext, v_ext) : v_ext);
       break;
     case 6:
-      if (lse != nullptr) lse = inside(o, o_ext);
+      if (out->lse != nullptr) out->lse = inside(out->o, o_ext);
       break;
     case 7: {
       const int which = in.u8() % 4;
       if (which == 3) {
-        o = nullptr;
+        out->o = nullptr;
       } else {
         call_in[which] = nullptr;
       }
@@ -852,17 +960,19 @@ void run_calls(Bytes& in, const Problem& p) {
     default:
       break;
   }
-  const float* ptr[5] = {call_in[0], call_in[1], call_in[2], o, lse};
-  const std::string verdict = expected_verdict(p, ptr);
+  return {call_in[0], call_in[1], call_in[2], out->o, out->lse};
+}
 
-  // Values for the elements of each input; the padding keeps the NaN pattern.
-  Values values(in);
+// Values for the elements of each input; the padding keeps the NaN pattern. Then a copy of
+// every input buffer, which no call may change.
+void fill_inputs(const Problem& p, Values& values, InputBuffers* inputs) {
   const struct {
     const float* t;
     const Strides& s;
     i64 len, heads;
-  } tensors[] = {
-      {q, p.q, p.q_len, p.q_heads}, {k, p.k, p.kv_len, p.kv_heads}, {v, p.v, p.kv_len, p.kv_heads}};
+  } tensors[] = {{inputs->q, p.q, p.q_len, p.q_heads},
+                 {inputs->k, p.k, p.kv_len, p.kv_heads},
+                 {inputs->v, p.v, p.kv_len, p.kv_heads}};
   for (const auto& t : tensors) {
     float* data = const_cast<float*>(t.t);
     for_each_offset(t.s, p.batch, t.len, t.heads, p.head_dim, [&](i64 off) {
@@ -870,106 +980,182 @@ void run_calls(Bytes& in, const Problem& p) {
       return true;
     });
   }
-  std::vector<std::vector<float>> snapshots;
-  for (const auto& b : inputs) snapshots.push_back(b->snapshot());
-  const auto inputs_unchanged = [&](const std::string& what) {
-    for (std::size_t i = 0; i < inputs.size(); ++i) {
-      expect(inputs[i]->same_as(snapshots[i]), what + " wrote into an input's buffer");
-    }
-  };
+  for (const auto& b : inputs->buffers) inputs->snapshots.push_back(b->snapshot());
+}
 
+// Which calls run_calls makes, from three bytes: `calls`, the kernel and the threads.
+struct CallChoice {
+  // Bit 0: mha::attention (also when bits 0-4 are all clear); 1: mha::attention by name; 2:
+  // the parallel driver; 3: the kernel alone; 4: 1 and 2 threads alike; 5: mha::merge;
+  // 6: bits 1-3 for every kernel of the registry instead of the named one.
+  std::uint8_t calls;
+  std::uint8_t thread_byte;  // bit 0: threads - 1; bits 1-4: the workspace offset in floats
+  int threads;
+  const KernelInfo* named;
+};
+
+CallChoice read_calls(Bytes& in) {
   const std::uint8_t calls = in.u8();
   const std::uint8_t kernel_byte = in.u8();
   const std::uint8_t thread_byte = in.u8();
   const int threads = 1 + (thread_byte & 1);
   const KernelInfo& named = all_kernels()[kernel_byte % all_kernels().size()];
+  return {calls, thread_byte, threads, &named};
+}
 
-  if (!verdict.empty()) {
-    const std::string message = "mha::attention: " + verdict;
-    expect_rejected([&] { attention(p, ptr[0], ptr[1], ptr[2], o, lse, threads); }, message,
-                    "mha::attention");
-    if (available(named)) {
-      expect_rejected([&] { attention(named.name, p, ptr[0], ptr[1], ptr[2], o, lse, threads); },
-                      message, std::string("mha::attention(\"") + named.name + "\")");
-    }
-    inputs_unchanged("a rejected call");
-    if (o == o_buf.data.get()) {
-      for (i64 i = 0; i < o_ext; ++i) expect(o_buf.is_pattern(i), "a rejected call wrote o");
-    }
-    return;
+// Pointers check_call rejects: mha::attention, with the best kernel and by name, must reject
+// them with its message, before writing anything.
+void expect_calls_rejected(const Problem& p, const std::string& verdict,
+                           const std::array<const float*, 5>& ptr, const CallChoice& choice,
+                           const InputBuffers& inputs, const OutputBuffers& out) {
+  const KernelInfo& named = *choice.named;
+  const int threads = choice.threads;
+  float* o = out.o;
+  float* lse = out.lse;
+  const std::string message = "mha::attention: " + verdict;
+  expect_rejected([&] { attention(p, ptr[0], ptr[1], ptr[2], o, lse, threads); }, message,
+                  "mha::attention");
+  if (available(named)) {
+    expect_rejected([&] { attention(named.name, p, ptr[0], ptr[1], ptr[2], o, lse, threads); },
+                    message, std::string("mha::attention(\"") + named.name + "\")");
   }
+  inputs.expect_unchanged("a rejected call");
+  if (o == out.o_buf.data.get()) {
+    const i64 o_ext = o_extent(p);
+    for (i64 i = 0; i < o_ext; ++i) expect(out.o_buf.is_pattern(i), "a rejected call wrote o");
+  }
+}
 
-  const Inputs problem{p, q, k, v};
-  Oracle oracle(problem);
-  const std::vector<bool> o_elements =
-      element_mask(o_ext, p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
-  const std::vector<bool> lse_elements = lse_mask(p);
-  const auto run = [&](const std::string& what, double exp_ulp, bool driver, auto&& call) {
-    o_buf.fill_pattern();
-    lse_buf.fill_pattern();
+// Runs accepted calls on one problem's buffers and checks each: accepted, inputs and padding
+// untouched, o and lse within the tolerance of the reference for the call's exp and number of
+// KV chunks.
+class CallCheck {
+ public:
+  CallCheck(const Problem& p, const InputBuffers& inputs, OutputBuffers* out)
+      : p_(p),
+        inputs_(inputs),
+        out_(*out),
+        oracle_(Inputs{p, inputs.q, inputs.k, inputs.v}),
+        o_elements_(element_mask(o_extent(p), p.o, p.batch, p.q_len, p.q_heads, p.head_dim)),
+        lse_elements_(lse_mask(p)) {}
+
+  // `call`, named `what`, by an implementation whose exp errs by at most `exp_ulp`, through
+  // the parallel driver when `driver` (which may split the KV range into chunks).
+  template <typename Call>
+  void operator()(const std::string& what, double exp_ulp, bool driver, Call&& call) {
+    out_.o_buf.fill_pattern();
+    out_.lse_buf.fill_pattern();
     expect_accepted(call, what);
-    inputs_unchanged(what);
-    expect_padding_untouched(o_buf, o_elements, what);
-    if (lse != nullptr) expect_padding_untouched(lse_buf, lse_elements, what);
-    const i64 chunks = driver ? plan(p).chunks : 1;
-    const ref::Tolerance& whole = oracle.tolerance(exp_ulp);
+    inputs_.expect_unchanged(what);
+    expect_padding_untouched(out_.o_buf, o_elements_, what);
+    if (out_.lse != nullptr) expect_padding_untouched(out_.lse_buf, lse_elements_, what);
+    const i64 chunks = driver ? plan(p_).chunks : 1;
+    const ref::Tolerance& whole = oracle_.tolerance(exp_ulp);
     const ref::Tolerance tol =
         chunks > 1 ? ref::merged_tolerance(whole, static_cast<double>(chunks)) : whole;
-    compare(p, o, lse, oracle.result(), tol, oracle.modeled(),
+    compare(p_, out_.o, out_.lse, oracle_.result(), tol, oracle_.modeled(),
             what + " (" + std::to_string(chunks) + " KV chunks)");
-  };
+  }
 
+ private:
+  const Problem& p_;
+  const InputBuffers& inputs_;
+  OutputBuffers& out_;
+  Oracle oracle_;
+  std::vector<bool> o_elements_, lse_elements_;
+};
+
+// One kernel's calls: by name, through the driver and alone (bits 1-3 of the calls byte), the
+// last two in workspaces of exactly the size they ask for, placed at a float-aligned offset
+// (all that the contract promises).
+void run_kernel_calls(const KernelInfo& kernel, const Problem& p, const CallChoice& choice,
+                      const InputBuffers& inputs, const OutputBuffers& out, CallCheck& run) {
+  const float* q = inputs.q;
+  const float* k = inputs.k;
+  const float* v = inputs.v;
+  float* o = out.o;
+  float* lse = out.lse;
+  const std::uint8_t calls = choice.calls;
+  const int threads = choice.threads;
+  const std::size_t ws_offset = 4 * ((choice.thread_byte >> 1) & 15);
+  if ((calls & 2) != 0) {
+    const std::string what = std::string("mha::attention(\"") + kernel.name + "\")";
+    if (available(kernel)) {
+      run(what, kernel.exp_ulp, true, [&] { attention(kernel.name, p, q, k, v, o, lse, threads); });
+    } else {
+      expect_rejected([&] { attention(kernel.name, p, q, k, v, o, lse, threads); },
+                      std::string("kernel '") + kernel.name + "' needs " + isa_name(kernel.isa) +
+                          ", which this CPU lacks or MHA_MAX_ISA excludes",
+                      what);
+    }
+  }
+  if (!available(kernel)) return;
+  if ((calls & 4) != 0) {
+    const std::size_t bytes = parallel_workspace(kernel.workspace, p, threads);
+    std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
+    run(std::string("parallel_attention of ") + kernel.name, kernel.exp_ulp, true, [&] {
+      parallel_attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads,
+                         {ws.get() + ws_offset, bytes});
+    });
+  }
+  if ((calls & 8) != 0) {
+    const std::size_t bytes = kernel.workspace(p);
+    std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
+    run(std::string("kernel ") + kernel.name + " alone", kernel.exp_ulp, false, [&] {
+      kernel.fn(p, q, k, v, o, lse, {ws.get() + ws_offset, bytes});
+    });
+  }
+}
+
+// The calls `choice` names, each checked by CallCheck.
+void run_accepted_calls(const Problem& p, const CallChoice& choice, const InputBuffers& inputs,
+                        OutputBuffers* out) {
+  const float* q = inputs.q;
+  const float* k = inputs.k;
+  const float* v = inputs.v;
+  float* o = out->o;
+  float* lse = out->lse;
+  const std::uint8_t calls = choice.calls;
+  const int threads = choice.threads;
+  CallCheck run(p, inputs, out);
   const KernelInfo& best = best_kernel();
   const bool any = (calls & 0x1f) != 0;
   if ((calls & 1) != 0 || !any) {
     run("mha::attention on " + std::to_string(threads) + " threads", best.exp_ulp, true,
         [&] { attention(p, q, k, v, o, lse, threads); });
   }
-  // The named kernel, or with bit 6 every kernel of the registry: by name, through the
-  // driver and alone, the last two in workspaces of exactly the size they ask for, placed at
-  // a float-aligned offset (all that the contract promises).
-  const std::size_t ws_offset = 4 * ((thread_byte >> 1) & 15);
+  // The named kernel, or with bit 6 every kernel of the registry.
   for (const KernelInfo& kernel : all_kernels()) {
-    if ((calls & 64) == 0 && &kernel != &named) continue;
-    if ((calls & 2) != 0) {
-      const std::string what = std::string("mha::attention(\"") + kernel.name + "\")";
-      if (available(kernel)) {
-        run(what, kernel.exp_ulp, true,
-            [&] { attention(kernel.name, p, q, k, v, o, lse, threads); });
-      } else {
-        expect_rejected([&] { attention(kernel.name, p, q, k, v, o, lse, threads); },
-                        std::string("kernel '") + kernel.name + "' needs " + isa_name(kernel.isa) +
-                            ", which this CPU lacks or MHA_MAX_ISA excludes",
-                        what);
-      }
-    }
-    if (!available(kernel)) continue;
-    if ((calls & 4) != 0) {
-      const std::size_t bytes = parallel_workspace(kernel.workspace, p, threads);
-      std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
-      run(std::string("parallel_attention of ") + kernel.name, kernel.exp_ulp, true, [&] {
-        parallel_attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads,
-                           {ws.get() + ws_offset, bytes});
-      });
-    }
-    if ((calls & 8) != 0) {
-      const std::size_t bytes = kernel.workspace(p);
-      std::unique_ptr<unsigned char[]> ws(new unsigned char[bytes + ws_offset]);
-      run(std::string("kernel ") + kernel.name + " alone", kernel.exp_ulp, false, [&] {
-        kernel.fn(p, q, k, v, o, lse, {ws.get() + ws_offset, bytes});
-      });
-    }
+    if ((calls & 64) == 0 && &kernel != choice.named) continue;
+    run_kernel_calls(kernel, p, choice, inputs, *out, run);
   }
   if ((calls & 16) != 0) {  // the thread count does not change a bit
     run("mha::attention on 1 thread", best.exp_ulp, true,
         [&] { attention(p, q, k, v, o, lse, 1); });
-    const std::vector<float> one_o = o_buf.snapshot(), one_lse = lse_buf.snapshot();
+    const std::vector<float> one_o = out->o_buf.snapshot(), one_lse = out->lse_buf.snapshot();
     run("mha::attention on 2 threads", best.exp_ulp, true,
         [&] { attention(p, q, k, v, o, lse, 2); });
-    expect(o_buf.same_as(one_o) && lse_buf.same_as(one_lse),
+    expect(out->o_buf.same_as(one_o) && out->lse_buf.same_as(one_lse),
            "mha::attention on 1 and 2 threads differ");
   }
-  if ((calls & 32) != 0) merge_parts(in, p, values);
+}
+
+// The calls on real buffers, for a problem check() admitted whose buffers are small.
+void run_calls(Bytes& in, const Problem& p) {
+  const std::uint8_t memory = in.u8();
+  InputBuffers inputs = allocate_inputs(memory, p);
+  OutputBuffers out(p, memory);
+  const std::array<const float*, 5> ptr = call_pointers(in, memory, p, inputs, &out);
+  const std::string verdict = expected_verdict(p, ptr.data());
+  Values values(in);
+  fill_inputs(p, values, &inputs);
+  const CallChoice choice = read_calls(in);
+  if (!verdict.empty()) {
+    expect_calls_rejected(p, verdict, ptr, choice, inputs, out);
+    return;
+  }
+  run_accepted_calls(p, choice, inputs, &out);
+  if ((choice.calls & 32) != 0) merge_parts(in, p, values);
 }
 
 }  // namespace
