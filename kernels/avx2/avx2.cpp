@@ -64,6 +64,22 @@
 // are prefetched into L2, a few lines per microkernel call; while P V runs, the next tile's
 // K rows. That halved the packing time, about 3% of the D = 128 prefill.
 //
+// Where the time goes (AMD Zen 3 core, 1 thread, D = 128, H = 32, H_kv = 8, L = 1024, at
+// 0.78 of the FMA peak; perf samples over the kernel): the S loop 40%, the P V loop 41%, so
+// both run at about 96% of the peak where they are; the softmax's exp loop 6%; the rest
+// (packing, epilogues, prefetch, loop control) 13%, spread over many sites, none above 2%.
+// At D = 16 the exp loop costs as much as either microkernel (25%, against 23% and 26%),
+// about twice what its 8 FMA-port operations per 8 weights would take.
+// Tried on that core and not adopted (alternating runs, medians, against this file):
+// * S, softmax and P V per chunk of 6 to 48 rows, the K and V tiles both packed first, so
+//   that a chunk's S and P stay in L1 (the FlashAttention-2 order): 0.94-0.97x at D = 128.
+// * S and the softmax step group by group where the K tile fits in L1 (D <= 32), so that
+//   one group's exp chains overlap the next group's S: level at D = 16 and 32.
+// * Bc = 256 keys: 0.99x at D = 128; at D = 16 +8% in one set of runs, level in another.
+// * Estrin's scheme for the 2^x polynomial (12 cycles of latency instead of 28, two more
+//   multiplies): 0.96x at D = 16, 0.99x at D = 128.
+// * The exp loop unrolled twice with two sums: 0.96x at D = 16, level at D = 128.
+//
 // Causal masking is bottom-right aligned, so every row sees a prefix of the keys: a per-row
 // count. The S epilogue sets the logits of keys a row does not see to -inf (so their
 // weights are exactly 0 and the row max ignores them); S panels no row of a group sees are
@@ -520,6 +536,9 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 // 1.45-1.9x slower. With this file's L1 tiles and prefetch the blocks were still slower from
 // DRAM (27-43 against 20-26 ns per row and key, g = 4, 32 MiB); the cause is not known. A
 // cache is read once per step, so DRAM is what counts.
+// The packed prefill path for such decodes (one query row, K and V of 4 MiB in the L3) was
+// no better where decode is weakest: 0.89x at D = 16, g = 4 (1.2x at g = 8), 0.67x and
+// 0.85x at D = 128, g = 4 and 8.
 constexpr std::int64_t kDecodeRows = 16;  // rows per KV head below which a problem decodes
 constexpr std::int64_t kDotKeys = 8;      // keys per dot_keys call
 constexpr std::int64_t kPvColumns = 64;   // head_dim columns per add_weighted_rows call
