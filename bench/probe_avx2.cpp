@@ -1,8 +1,11 @@
-// Probe loops with AVX2 + FMA (compiled with the avx2 flags of cmake/isa.cmake only).
+// Probe loops with AVX2 + FMA, compiled for them in a target region (MHA_TARGET_BEGIN) and run
+// only where cpu_supports(Isa::avx2) says so.
 #include <immintrin.h>
 
+#include "mha/support.h"
 #include "probe_kernels.h"
 
+MHA_TARGET_BEGIN("avx2,fma")
 namespace mha::bench {
 namespace {
 
@@ -65,3 +68,4 @@ float read_two_ahead(const float* p, std::int64_t n, std::int64_t passes) {
 ProbeKernels probe_kernels_avx2() { return {"avx2", &fma, &read, &read_ahead, &read_two_ahead}; }
 
 }  // namespace mha::bench
+MHA_TARGET_END

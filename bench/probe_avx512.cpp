@@ -1,9 +1,11 @@
-// Probe loops with AVX-512F (compiled with the avx512 kernel's flags, cmake/isa.cmake, and
-// run only where cpu_supports(Isa::avx512) says so).
+// Probe loops with AVX-512F, compiled for the avx512 kernel's ISA in a target region
+// (MHA_TARGET_BEGIN) and run only where cpu_supports(Isa::avx512) says so.
 #include <immintrin.h>
 
+#include "mha/support.h"
 #include "probe_kernels.h"
 
+MHA_TARGET_BEGIN("avx512f,avx512vl,avx512dq,avx512bw,fma")
 namespace mha::bench {
 namespace {
 
@@ -71,3 +73,4 @@ ProbeKernels probe_kernels_avx512() {
 }
 
 }  // namespace mha::bench
+MHA_TARGET_END

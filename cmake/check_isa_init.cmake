@@ -1,12 +1,12 @@
 # cmake -DOBJDUMP=<objdump> -DROOT=<build dir> -DNAMES=<a.cpp,b.cpp,...> -P check_isa_init.cmake
 #
-# Code built with an ISA's flags may use that ISA's instructions anywhere (cmake/isa.cmake),
-# and a static constructor runs before main, before any cpu_supports check: one that the
-# compiler vectorized kills the program with SIGILL on a CPU without the ISA. (An exp test
-# built whole with the AVX-512 flags did: under the sanitizers its gtest registration
-# poisoned the stack's shadow with zmm stores, and the test executable died on AVX2-only
-# CPUs before it could list its tests.) So every object of the files NAMES (the ones given
-# ISA flags) below ROOT must have no C++ dynamic initializer (_GLOBAL__sub_I_...) and no
+# Code in a target region may use that ISA's instructions anywhere (cmake/isa.cmake), and a
+# static constructor runs before main, before any cpu_supports check: one that the compiler
+# built for the ISA kills the program with SIGILL on a CPU without it. (An exp test built
+# whole with the AVX-512 flags did: under the sanitizers its gtest registration poisoned the
+# stack's shadow with zmm stores, and the test executable died on AVX2-only CPUs before it
+# could list its tests.) So every object of the files NAMES (the ones with target regions)
+# below ROOT must have no C++ dynamic initializer (_GLOBAL__sub_I_...) and no
 # other initialization function (a sanitizer's module constructor, _sub_I_...) with a vector
 # instruction: a VEX or EVEX mnemonic (v...) or a ymm, zmm or mask register.
 string(REPLACE "," ";" names "${NAMES}")
@@ -43,6 +43,6 @@ foreach(name IN LISTS names)
   endforeach()
 endforeach()
 if(errors)
-  message(FATAL_ERROR "initialization code in files built with ISA flags:\n${errors}")
+  message(FATAL_ERROR "initialization code in files with target regions:\n${errors}")
 endif()
 message(STATUS "isa/no-init-code: ${checked} objects of ${NAMES}: no ISA code before main")

@@ -1,10 +1,26 @@
 # cmake -DREPO=<root> -P check_readme_flags.cmake: README.md's copy table (which users and
-# property_tests/copy/run.sh read) must give every kernel of kernels/registry.inc the flags
-# of its ISA in cmake/isa.cmake, the flags the build uses. Read as run.sh reads the table:
-# the first row that starts with | `<kernel>`, its third column without backticks, and a
-# column containing "none" means no flags. The highway-<target> entries are one file, row
-# `highway`, built without ISA flags (Highway's own pragmas select each target's features).
+# property_tests/copy/run.sh read) must give every kernel of kernels/registry.inc (and every
+# GEMM of kernels/gemm/gemm.inc) the flags the build gives its .cpp file: those of
+# mha_isa_sources(<isa> <file>...) in kernels/CMakeLists.txt (cmake/isa.cmake), and none for
+# every other file (the kernels written with intrinsics compile their ISA code in target
+# regions; Highway's pragmas select each of its targets). Read as run.sh reads the table:
+# the first row that starts with | `<kernel>`, the .cpp of its second column, its third
+# column without backticks, and a column containing "none" means no flags.
 include(${CMAKE_CURRENT_LIST_DIR}/isa.cmake)
+
+# The flags of each file the kernel library builds with mha_isa_sources.
+file(READ ${REPO}/kernels/CMakeLists.txt cmake_text)
+string(REGEX MATCHALL "mha_isa_sources\\([a-z0-9_]+[^)]*\\)" calls "${cmake_text}")
+foreach(call IN LISTS calls)
+  string(REGEX REPLACE "^mha_isa_sources\\(([a-z0-9_]+)([^)]*)\\)$" "\\1;\\2" parts "${call}")
+  list(GET parts 0 isa)
+  list(GET parts 1 files)
+  string(REGEX MATCHALL "[A-Za-z0-9_./-]+\\.cpp" files "${files}")
+  foreach(file IN LISTS files)
+    get_filename_component(name ${file} NAME)
+    list(JOIN MHA_ISA_FLAGS_${isa} " " flags_of_${name})
+  endforeach()
+endforeach()
 
 file(STRINGS ${REPO}/kernels/registry.inc entries REGEX "^MHA_KERNEL\\(")
 # The GEMM kernels (kernels/gemm/gemm.inc) have rows gemm-<name> in the GEMM table.
@@ -17,19 +33,12 @@ file(STRINGS ${REPO}/README.md rows REGEX "^\\| `")
 set(checked 0)
 set(errors "")
 foreach(entry IN LISTS entries)
-  if(NOT entry MATCHES "^MHA_KERNEL\\(([a-z0-9_-]+), *([a-z0-9_]+),")
+  if(NOT entry MATCHES "^MHA_KERNEL\\(([a-z0-9_-]+),")
     message(FATAL_ERROR "registry.inc: cannot read '${entry}'")
   endif()
   set(kernel ${CMAKE_MATCH_1})
-  set(isa ${CMAKE_MATCH_2})
-  if(NOT DEFINED MHA_ISA_FLAGS_${isa})
-    string(APPEND errors "  ${kernel}: its ISA ${isa} has no flags in cmake/isa.cmake\n")
-    continue()
-  endif()
-  list(JOIN MHA_ISA_FLAGS_${isa} " " want)
   if(kernel MATCHES "^highway-")
-    set(kernel highway)
-    set(want "")
+    set(kernel highway)  # one file for every target
   endif()
   set(row "")
   foreach(candidate IN LISTS rows)
@@ -38,17 +47,23 @@ foreach(entry IN LISTS entries)
       break()
     endif()
   endforeach()
-  if(NOT row MATCHES "^\\|[^|]*\\|[^|]*\\|([^|]*)\\|")
+  if(NOT row MATCHES "^\\|[^|]*\\|([^|]*)\\|([^|]*)\\|")
     string(APPEND errors "  ${kernel}: no row in README.md's copy table\n")
     continue()
   endif()
-  string(REPLACE "`" "" got "${CMAKE_MATCH_1}")
+  set(files "${CMAKE_MATCH_1}")
+  string(REPLACE "`" "" got "${CMAKE_MATCH_2}")
   string(STRIP "${got}" got)
   if(got MATCHES "none")
     set(got "")
   endif()
+  if(NOT files MATCHES "([A-Za-z0-9_]+\\.cpp)")
+    string(APPEND errors "  ${kernel}: its row names no .cpp file\n")
+    continue()
+  endif()
+  set(want "${flags_of_${CMAKE_MATCH_1}}")
   if(NOT got STREQUAL want)
-    string(APPEND errors "  ${kernel} (${isa}): README.md says '${got}', cmake/isa.cmake '${want}'\n")
+    string(APPEND errors "  ${kernel}: README.md says '${got}', the build '${want}'\n")
   endif()
   math(EXPR checked "${checked} + 1")
 endforeach()

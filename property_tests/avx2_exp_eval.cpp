@@ -1,5 +1,6 @@
 // The avx2 kernel's 2^x (kernels/avx2/avx2_exp.h) evaluated for avx2_exp_test.cpp: the only
-// file of that test built with the kernel's ISA flags. It defines no object with a dynamic
+// code of that test compiled for the kernel's ISA, in a target region (MHA_TARGET_BEGIN,
+// mha/support.h) as the kernel's is, with no flags. It defines no object with a dynamic
 // initializer, so that nothing of it runs before the test has checked the CPU (see
 // avx512_exp_eval.cpp).
 #include "avx2_exp.h"
@@ -8,8 +9,10 @@
 #include <cstdint>
 
 #include "exp_eval.h"
+#include "mha/support.h"
 #include "ulp.h"
 
+MHA_TARGET_BEGIN("avx2,fma")
 namespace mha::test {
 
 namespace {
@@ -70,3 +73,4 @@ void avx2_exp2(const float* x, float* y) {
 }
 
 }  // namespace mha::test
+MHA_TARGET_END

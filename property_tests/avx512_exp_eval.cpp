@@ -1,5 +1,6 @@
 // The avx512 kernel's 2^x (kernels/avx512/avx512_exp.h) evaluated for avx512_exp_test.cpp:
-// the only file of that test built with the kernel's ISA flags. It defines no object with a
+// the only code of that test compiled for the kernel's ISA, in a target region
+// (MHA_TARGET_BEGIN, mha/support.h) as the kernel's is, with no flags. It defines no object with a
 // dynamic initializer, so that nothing of it runs before the test has checked the CPU (a
 // test file built with the flags registered its tests in a static constructor that the
 // compiler was free to vectorize with AVX-512: the executable died on AVX2-only CPUs).
@@ -10,8 +11,10 @@
 #include <cstdint>
 
 #include "exp_eval.h"
+#include "mha/support.h"
 #include "ulp.h"
 
+MHA_TARGET_BEGIN("avx512f,avx512vl,avx512dq,avx512bw,fma")
 namespace mha::test {
 
 double avx512_exp2_worst_error(std::uint32_t lo_bits, std::uint32_t hi_bits, float* worst_x) {
@@ -43,3 +46,4 @@ void avx512_exp2(const float* x, float* y) {
 }
 
 }  // namespace mha::test
+MHA_TARGET_END

@@ -1,6 +1,6 @@
 // The kernels' vector 2^x evaluated for the exp tests: each function is defined in a file of
-// its own built with its kernel's ISA flags (<kernel>_exp_eval.cpp), called by a test file
-// built without them only after the test has checked the CPU. x holds the inputs as floats;
+// its own, in a target region of its kernel's ISA (<kernel>_exp_eval.cpp), called by a test
+// file with none only after the test has checked the CPU. x holds the inputs as floats;
 // bit patterns run over negative floats, where ascending bits are descending values.
 #pragma once
 

@@ -1,16 +1,21 @@
 // The xsimd kernels' 2^x (Attention<Arch>::exp2_nonpositive, kernels/xsimd/xsimd_kernel.h)
-// evaluated for xsimd_exp_test.cpp, for the architecture MHA_XSIMD_ARCH: the only file of
-// that test built with the architecture's ISA flags (property_tests/CMakeLists.txt
+// evaluated for xsimd_exp_test.cpp, for the architecture MHA_XSIMD_ARCH: the only code of
+// that test built with the architecture's ISA flags, its headers but xsimd_kernel.h in a
+// baseline region as that header's are (property_tests/CMakeLists.txt
 // configures one per architecture). It defines no object with a dynamic initializer, so that
 // nothing of it runs before the test has checked the CPU (see avx512_exp_eval.cpp).
-#include "xsimd_kernel.h"
+#include "xsimd_kernel.h"  // first (see there)
 
+MHA_XSIMD_BASELINE_BEGIN
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#include "exp_eval.h"
 #include "ulp.h"
+MHA_XSIMD_BASELINE_END
+// Outside the region: GCC gives a function declared in it the region's target, even where
+// its definition is outside (this file's functions call the kernel with vector arguments).
+#include "exp_eval.h"
 
 namespace mha::test {
 

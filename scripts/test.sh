@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every test of the project, from a fresh Debian 12 machine: installs what it needs, builds,
 # and runs the suite natively, under AddressSanitizer + UndefinedBehaviorSanitizer, on
-# emulated older x86-64 CPUs (Haswell: AVX2, no AVX-512; qemu64: baseline x86-64) and
-# cross-built for aarch64 under qemu, the concurrency tests under ThreadSanitizer, the fuzz
-# targets under libFuzzer, and the Python tests of the reports and the peers. Ends with a
-# table of the parts (time, ok or the step that failed and why), the kernels this CPU could
-# not run, and a closing count.
+# emulated older x86-64 CPUs (Haswell: AVX2, no AVX-512; qemu64: baseline x86-64; a Release
+# and a Debug build) and cross-built for aarch64 under qemu, the concurrency tests under
+# ThreadSanitizer, the fuzz targets under libFuzzer, and the Python tests of the reports and
+# the peers. Ends with a table of the parts (time, ok or the step that failed and why), the
+# kernels this CPU could not run, and a closing count.
 #
 # Usage: scripts/test.sh [part ...]   parts: format native sanitize emulated aarch64 tsan fuzz
 #                                            python selftest
@@ -192,9 +192,14 @@ run_sanitize() {
       run_ctest "$BUILD_ROOT/build-asan"
 }
 
+# The emulated runs on the Release build and on a Debug one (emulated/debug-*), where nothing
+# is inlined: every header function a kernel file uses is called out of line, so a copy of
+# one compiled for an ISA the CPU lacks would trap (cmake/isa.cmake).
 run_emulated() {
   configure_build "$BUILD_ROOT/build" -DCMAKE_BUILD_TYPE=Release &&
-    run_ctest "$BUILD_ROOT/build" -L emulated
+    run_ctest "$BUILD_ROOT/build" -L emulated &&
+    configure_build "$BUILD_ROOT/build-debug" -DCMAKE_BUILD_TYPE=Debug -DMHA_BUILD_BENCH=OFF &&
+    run_ctest "$BUILD_ROOT/build-debug" -L emulated
 }
 
 # Every test of the cross build runs under qemu-aarch64: idle OpenMP threads sleep rather than

@@ -28,11 +28,12 @@
 // Decode (fewer than 16 rows g x q_len per KV head) takes its own path, decode_rows, with
 // the lanes along head_dim and K and V read in place: see "Decode" below.
 //
-// ISA: AVX2 + FMA (the file is compiled with -mavx2 -mfma and only called when the CPU has
-// them): 8-float ymm vectors, 16 registers. Both microkernels hold a 6 x 2 grid of ymm
-// accumulators (12 registers; 2 for the streamed operand, 1 for a broadcast): 12 independent
-// FMA chains cover 2 FMA ports x 4 cycles of latency with slack, and each step issues 2
-// vector loads and 6 broadcasts (load-port operations) per 12 FMAs, within 2 load ports.
+// ISA: AVX2 + FMA, for all code below the includes (MHA_TARGET_BEGIN, mha/support.h: the file
+// needs no flags), which runs only when the CPU has them: 8-float ymm vectors, 16 registers.
+// Both microkernels hold a 6 x 2 grid of ymm accumulators (12 registers; 2 for the streamed
+// operand, 1 for a broadcast): 12 independent FMA chains cover 2 FMA ports x 4 cycles of
+// latency with slack, and each step issues 2 vector loads and 6 broadcasts (load-port
+// operations) per 12 FMAs, within 2 load ports.
 //
 // Packing, and why: token-major K and V rows lie H_kv D floats apart (4 KiB at H_kv = 8,
 // D = 128), so reading them in a microkernel hits one L1 set per key and evicts itself. The
@@ -124,6 +125,7 @@
 #include "mha/attention.h"
 #include "mha/support.h"
 
+MHA_TARGET_BEGIN("avx2,fma")
 namespace {
 
 using mha::support::Block;
@@ -808,3 +810,5 @@ void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* 
     finish_block(p, block, s, o, lse);
   });
 }
+
+MHA_TARGET_END

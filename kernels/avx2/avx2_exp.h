@@ -25,14 +25,15 @@
 //   * -inf gives exactly 0 (clamped to -127).
 //   * NaN gives NaN: the clamp keeps a NaN x (VMAXPS returns its second source when either
 //     is NaN), and then t, f and p are NaN.
-// Needs -mavx2 -mfma. Depends on immintrin.h only.
+// Compiled for AVX2 + FMA by its own target attribute, whatever the includer's flags: call it
+// only where the CPU has them. Depends on immintrin.h only.
 #pragma once
 
 #include <immintrin.h>
 
 namespace mha::avx2 {
 
-inline __m256 exp2_nonpositive(__m256 x) {
+__attribute__((target("avx2,fma"))) inline __m256 exp2_nonpositive(__m256 x) {
   const __m256 shifter = _mm256_set1_ps(12583039.0f);            // 1.5 2^23 + 127
   x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);                 // NaN x stays NaN (second source)
   const __m256 t = _mm256_add_ps(x, shifter);                    // 1.5 2^23 + n + 127, n = round(x)

@@ -62,8 +62,9 @@
 // masked FMAs (_mm512_mask3_fmadd_ps keeps the lanes whose row does not see the key), so a
 // V row is never multiplied into a row that does not see it (0 x Inf or NaN would be NaN).
 //
-// ISA: AVX-512F + DQ (VREDUCEPS in the exp) + FMA; the file is compiled with -mavx512f
-// -mavx512vl -mavx512dq -mavx512bw -mfma and only called when the CPU has them.
+// ISA: AVX-512F + DQ (VREDUCEPS in the exp) + FMA; the code below the includes is compiled for
+// AVX-512F, VL, DQ, BW and FMA (MHA_TARGET_BEGIN in mha/support.h) and only called when the
+// CPU has them. The file needs no flags.
 //
 // Tails: any head_dim, key count and row count. Tensors are read by masked vector loads
 // and scalar loads of their own elements only; rows past R up to a whole vector are zero padding of
@@ -98,6 +99,7 @@
 #include "mha/attention.h"
 #include "mha/support.h"
 
+MHA_TARGET_BEGIN("avx512f,avx512vl,avx512dq,avx512bw,fma")
 namespace {
 
 constexpr int kMr = 12;                        // keys (S) or head_dim columns (P V) per microkernel
@@ -131,7 +133,9 @@ __m512 logit_scale_of(const mha::Problem& p) {
 }
 
 // op over the 16 lanes, by halving (shuffles; not _mm512_reduce_*_ps, inside which GCC 12
-// warns): lanes_max and lanes_sum. The max of lanes that are not NaN is not NaN.
+// warns): lanes_max and lanes_sum. The max of lanes that are not NaN is not NaN. The lambdas
+// are generic so that GCC emits no function-pointer thunk for them, which it would compile
+// outside the target region.
 template <typename Op>
 float reduce_lanes(__m512 x, Op op) {
   x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -141,10 +145,10 @@ float reduce_lanes(__m512 x, Op op) {
   return _mm512_cvtss_f32(x);
 }
 float lanes_max(__m512 x) {
-  return reduce_lanes(x, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+  return reduce_lanes(x, [](auto a, auto b) { return _mm512_max_ps(a, b); });
 }
 float lanes_sum(__m512 x) {
-  return reduce_lanes(x, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+  return reduce_lanes(x, [](auto a, auto b) { return _mm512_add_ps(a, b); });
 }
 
 // Lanes (query rows) that see key j: those whose visible-key count exceeds j.
@@ -955,3 +959,5 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float
     finish_block(p, block, s, o, lse);
   });
 }
+
+MHA_TARGET_END

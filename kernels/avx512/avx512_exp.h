@@ -18,7 +18,8 @@
 //     infinite input (so the polynomial gives 1) and VSCALEFPS(1, -inf) is 0. Inputs of
 //     -2^23 and below have no fraction bits either: f = 0 and the scaling underflows to 0.
 //   * NaN gives NaN (VREDUCEPS and VSCALEFPS propagate it). Positive x is outside the domain.
-// Needs -mavx512f -mavx512dq -mfma. Depends on immintrin.h only, which it includes for its
+// Compiled for AVX-512F + DQ + FMA by its own target attribute, whatever the includer's flags:
+// call it only where the CPU has them. Depends on immintrin.h only, which it includes for its
 // users with -W(maybe-)uninitialized off: GCC 12.2 warns inside _mm512_undefined_ps(), the
 // source operand of many unmasked AVX-512 intrinsics (GCC bug 105593, a false positive
 // fixed in 12.3/13). Include this header before anything else that includes immintrin.h.
@@ -36,7 +37,7 @@
 
 namespace mha::avx512 {
 
-inline __m512 exp2_nonpositive(__m512 x) {
+__attribute__((target("avx512f,avx512dq,fma"))) inline __m512 exp2_nonpositive(__m512 x) {
   // f = x - floor(x): imm 0x09 = keep 0 fraction bits, round down, no precision exception.
   const __m512 f = _mm512_reduce_ps(x, 0x09);
   __m512 p = _mm512_set1_ps(2.17022302e-4f);

@@ -15,8 +15,8 @@
 //
 // Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
 //
-// ISA: AVX2 and FMA. Depends on gemm_loops.h, mha/gemm.h, mha/support.h, <immintrin.h> and
-// the standard library only.
+// ISA: AVX2 and FMA, for the code below the includes (MHA_TARGET_BEGIN): no flags. Depends on
+// gemm_loops.h, mha/gemm.h, mha/support.h, <immintrin.h> and the standard library only.
 #include <immintrin.h>
 
 #include <cstddef>
@@ -26,6 +26,7 @@
 #include "mha/gemm.h"
 #include "mha/support.h"
 
+MHA_TARGET_BEGIN("avx2,fma")
 namespace {
 
 constexpr int kMr = 6;
@@ -93,3 +94,5 @@ void mha_f32_gemm_avx2(const mha::GemmProblem& p, const float* a, const float* b
   mha::support::gemm_loops<kMr, kNr>(
       p, a, b, bias, c, [](auto rows, auto... args) { micro<decltype(rows)::value>(args...); });
 }
+
+MHA_TARGET_END

@@ -16,8 +16,9 @@
 //
 // Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
 //
-// ISA: AVX-512F (and the flags of cmake/isa.cmake's avx512). Depends on gemm_loops.h,
-// mha/gemm.h, mha/support.h, <immintrin.h> and the standard library only.
+// ISA: AVX-512F, VL, DQ, BW and FMA, for the code below the includes (MHA_TARGET_BEGIN): no
+// flags. Depends on gemm_loops.h, mha/gemm.h, mha/support.h, <immintrin.h> and the standard
+// library only.
 #include <immintrin.h>
 
 #include <cstddef>
@@ -27,6 +28,7 @@
 #include "mha/gemm.h"
 #include "mha/support.h"
 
+MHA_TARGET_BEGIN("avx512f,avx512vl,avx512dq,avx512bw,fma")
 namespace {
 
 constexpr int kMr = 12;
@@ -98,3 +100,5 @@ void mha_f32_gemm_avx512(const mha::GemmProblem& p, const float* a, const float*
   mha::support::gemm_loops<kMr, kNr>(
       p, a, b, bias, c, [](auto rows, auto... args) { micro<decltype(rows)::value>(args...); });
 }
+
+MHA_TARGET_END

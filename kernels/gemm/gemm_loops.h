@@ -64,9 +64,11 @@ inline void prefetch_lines(const float* p, std::int64_t first, std::int64_t last
 /// bp[l nr + j] in order over l < kc, then + bias[j] when bias is not null (the last pass),
 /// and write nothing else. R is the rows left (1..kMr, with_count), cols the columns of the
 /// panel that are real (1..kNr); ap and bp are the kc-step slices of one A and one B panel.
+/// Always inlined into the kernel's entry point, so that micro, which is compiled in the
+/// kernel's target region, is inlined into the loops (see MHA_ALWAYS_INLINE, mha/support.h).
 template <int kMr, int kNr, typename Micro>
-void gemm_loops(const GemmProblem& p, const float* a, const float* b, const float* bias, float* c,
-                Micro&& micro) {
+MHA_ALWAYS_INLINE void gemm_loops(const GemmProblem& p, const float* a, const float* b,
+                                  const float* bias, float* c, Micro&& micro) {
   constexpr std::int64_t kLine = 16;  // floats in a 64-byte line
   GemmBlocking blocking = gemm_blocking(kMr, kNr);
   // One row panel (a decode step's m <= mr tokens): no B micro-panel is read twice, so a pass

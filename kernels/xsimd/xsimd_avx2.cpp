@@ -5,6 +5,7 @@
 // Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
 //
 // Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
+// First: it includes its headers, and these, in a baseline region (see there).
 #include "xsimd_kernel.h"
 
 #include <cstddef>

@@ -1,9 +1,9 @@
 // xsimd_kernel.h: multi-head attention with flash-attention tiling and a base-2 online
 // softmax, in fp32, written once over xsimd::batch<float, Arch> and instantiated per
 // architecture by xsimd_avx2.cpp (fma3<avx2>), xsimd_avx512.cpp (avx512f) and
-// xsimd_neon.cpp (neon64), each compiled with its ISA's flags. The algorithm and layout of
-// kernels/avx2/avx2.cpp (read that file first), with the vector width W = batch::size a
-// template parameter instead of 8:
+// xsimd_neon.cpp (neon64), each compiled with its ISA's flags (see "The ISA" below). The algorithm
+// and layout of kernels/avx2/avx2.cpp (read that file first), with the vector width
+// W = batch::size a template parameter instead of 8:
 //
 //   for each (batch, KV head, block of R = g x Br query rows; all g heads share every KV
 //            tile):                                                      for_each_block
@@ -44,9 +44,65 @@
 // avx2.cpp's, with the same reasons and the same contract (mha/attention.h).
 //
 // Depends on mha/attention.h, mha/support.h and xsimd (Debian's libxsimd-dev, header-only)
-// only. Every function is a member of the class template Attention<Arch>, so the copies
-// compiled with different ISA flags never meet at link time.
+// only.
+//
+// The ISA. xsimd 8 takes its architectures from the compiler's ISA macros (__AVX2__ and the
+// others), so the file that instantiates this header is compiled with its ISA's flags
+// (xsimd_avx2.cpp with -mavx2 -mfma; cmake/isa.cmake). But a file compiled with -mavx2
+// makes AVX2 code of every inline function of the standard library and of mha/support.h
+// that it uses out of line, and the linker may keep that copy for every other caller: SIGILL
+// on an older CPU (cmake/check_isa_symbols.cmake). So on x86-64 this header includes all of
+// them first, inside a region compiled for baseline x86-64 (target "no-sse3": SSE2 and
+// nothing above it), and only then xsimd. Their copies are then the baseline code everyone
+// else's are, and can still be inlined into this file's AVX2 code. What is compiled for the
+// ISA is xsimd's code and the members of Attention<Arch>, whose names differ per
+// architecture. A file that includes this header includes it first, and any other header
+// with inline functions inside a baseline region of its own (MHA_XSIMD_BASELINE_BEGIN), but
+// not the declarations of functions it defines: GCC gives a function declared in the region
+// the region's target, even where its definition is outside.
+//
+// The kernels written with intrinsics do the opposite: no flags, and a target region around
+// their own code (MHA_TARGET_BEGIN). Not here: xsimd's arithmetic operators are hidden
+// friends of batch, which GCC compiles for the file's flags, not the region's, and then
+// calls with the baseline convention for vector arguments.
 #pragma once
+
+// MHA_XSIMD_BASELINE_BEGIN ... _END: a region compiled for baseline x86-64, for includes.
+#if defined(__x86_64__) && defined(__clang__)
+#define MHA_XSIMD_BASELINE_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"no-sse3\"))), apply_to = function)")
+#define MHA_XSIMD_BASELINE_END _Pragma("clang attribute pop")
+#elif defined(__x86_64__) && defined(__GNUC__)
+#define MHA_XSIMD_BASELINE_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"no-sse3\")")
+#define MHA_XSIMD_BASELINE_END _Pragma("GCC pop_options")
+#else
+#define MHA_XSIMD_BASELINE_BEGIN
+#define MHA_XSIMD_BASELINE_END
+#endif
+
+MHA_XSIMD_BASELINE_BEGIN
+// Everything xsimd and this file include but xsimd itself and the intrinsics headers.
+#include <algorithm>
+#include <array>
+#include <cassert>
+#include <cmath>
+#include <complex>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <stdexcept>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "mha/attention.h"
+#include "mha/support.h"
+MHA_XSIMD_BASELINE_END
 
 // GCC 12 reports its own _mm512_undefined_ps (avx512fintrin.h) as "used uninitialized" when
 // it is inlined from xsimd's AVX-512 haddp into this file; the value is a don't-care operand
@@ -57,16 +113,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <xsimd/xsimd.hpp>
-
-#include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <limits>
-#include <type_traits>
-
-#include "mha/attention.h"
-#include "mha/support.h"
 
 namespace mha::xsimd_kernel {
 

@@ -1,10 +1,11 @@
 // xsimd-neon: the xsimd kernel of xsimd_kernel.h (which describes it), instantiated for
 // xsimd::neon64, AArch64 Advanced SIMD: 4-float vectors, 32
-// registers, MR = 12. Compiled with the neon ISA's flags (cmake/isa.cmake).
+// registers, MR = 12. NEON is AArch64's baseline: no flags.
 //
 // Runs under mha::FpEnvGuard: the caller's floating-point environment changes no bit.
 //
 // Depends on mha/attention.h, mha/support.h, xsimd_kernel.h (this folder) and xsimd only.
+// First: it includes its headers, and these, in a baseline region (see there).
 #include "xsimd_kernel.h"
 
 #include <cstddef>

@@ -5,10 +5,10 @@
 // double precision.
 //
 // Compile it with -DMHA_EXAMPLE_KERNEL=<name> (naive, blocked, avx2, avx512, neon, xsimd_avx2,
-// ...: the registry name with '_' for '-'): it calls mha_f32_attention_<name>. It is built WITHOUT
-// the kernel's ISA flags (only the kernel file has them), so the CPU check in main runs before any
-// instruction of that ISA can: on a CPU without it the program says so and exits 77 instead of
-// dying of SIGILL.
+// ...: the registry name with '_' for '-'): it calls mha_f32_attention_<name>. Neither file takes
+// ISA flags (the kernel's ISA code is in its target region), so the CPU check in main runs before
+// any instruction of that ISA can: on a CPU without it the program says so and exits 77 instead
+// of dying of SIGILL.
 //
 // Exit codes: 0 error within the bound, 1 error above it (or an invalid problem), 77 this
 // CPU lacks the kernel's ISA (ctest's SKIP_RETURN_CODE).

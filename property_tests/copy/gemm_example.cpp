@@ -5,8 +5,9 @@
 // b| + |bias|).
 //
 // Compile it with -DMHA_EXAMPLE_GEMM=<name> (portable, avx2, avx512, neon): it calls
-// mha_f32_gemm_<name> and mha_f32_gemm_<name>_tile. Built WITHOUT the kernel's ISA flags, so
-// the CPU check in main runs first: on a CPU without the ISA it says so and exits 77.
+// mha_f32_gemm_<name> and mha_f32_gemm_<name>_tile. No file takes ISA flags (the kernel's ISA
+// code is in its target region), so the CPU check in main runs first: on a CPU without the ISA
+// it says so and exits 77.
 //
 // Exit codes: 0 within the bound, 1 above it, 77 this CPU lacks the kernel's ISA.
 #include <cmath>
@@ -27,8 +28,7 @@
 #define MHA_EXAMPLE_FUNCTION MHA_EXAMPLE_CAT(mha_f32_gemm_, MHA_EXAMPLE_GEMM)
 #define MHA_EXAMPLE_TILE MHA_EXAMPLE_CAT(MHA_EXAMPLE_FUNCTION, _tile)
 
-// From the kernel file, e.g. avx2.cpp, compiled with its ISA flags: call them only on a CPU
-// with that ISA.
+// From the kernel file, e.g. avx2.cpp, compiled for its ISA: call them only on a CPU with it.
 void MHA_EXAMPLE_FUNCTION(const mha::GemmProblem& p, const float* a, const float* b,
                           const float* bias, float* c);
 mha::GemmTile MHA_EXAMPLE_TILE();

@@ -140,7 +140,7 @@ struct Workspace {
 
 /// How many bytes of workspace a kernel needs for p (which must pass check()). It depends on
 /// the sizes only (not on causal, scale, strides or data) and never decreases when q_len
-/// or kv_len grows. Compiled with its kernel's ISA flags: call it where the kernel may run.
+/// or kv_len grows. Compiled for its kernel's ISA: call it where the kernel may run.
 /// A size that does not fit size_t is SIZE_MAX (detail::bytes_of), which no allocation
 /// gives: the caller fails to allocate instead of lending a wrapped-around size.
 using WorkspaceSize = std::size_t (*)(const Problem& p);

@@ -16,6 +16,7 @@
 //   from the system (or from MHA_CACHES), with fallbacks; set_caches for a sweep over them.
 // * Tilings: flash_tiling (blocked, neon), packed_rows_per_head (the kernels that pack each
 //   KV tile), decode_tile_keys (the decode paths).
+// * MHA_TARGET_BEGIN / MHA_TARGET_END: a region of a kernel file compiled for an ISA.
 #pragma once
 
 #include <mha/attention.h>
@@ -33,6 +34,45 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+/// MHA_TARGET_BEGIN("avx2,fma") ... MHA_TARGET_END: the functions defined between the two
+/// (lambdas included) are compiled for the ISA named, as by __attribute__((target(...))),
+/// and nothing else is. A kernel file includes every header before the region, so that the
+/// inline functions of headers and the standard library's templates it instantiates are
+/// compiled for baseline x86-64 like everyone else's copies of them: the linker keeps one
+/// copy of each, and it must run on every CPU (cmake/check_isa_symbols.cmake). Compiling
+/// the whole file with -mavx2 instead makes each such copy AVX2 code. The functions of the
+/// region are called only after a CPU check; they may inline baseline code, not the
+/// reverse. A region holds no namespace-scope object with a dynamic initializer. GCC does
+/// not give the region's target to the hidden friends of a class template (friend functions
+/// defined in the class), which it compiles for the file's flags: code in a region must not
+/// pass vectors to such friends (xsimd's operators are some: kernels/xsimd/xsimd_kernel.h).
+/// Other compilers (MSVC) take intrinsics anywhere: the macros are empty there.
+#define MHA_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define MHA_TARGET_BEGIN(isa) \
+  MHA_PRAGMA(clang attribute push(__attribute__((target(isa))), apply_to = function))
+#define MHA_TARGET_END MHA_PRAGMA(clang attribute pop)
+#elif defined(__GNUC__)
+#define MHA_TARGET_BEGIN(isa) MHA_PRAGMA(GCC push_options) MHA_PRAGMA(GCC target(isa))
+#define MHA_TARGET_END MHA_PRAGMA(GCC pop_options)
+#else
+#define MHA_TARGET_BEGIN(isa)
+#define MHA_TARGET_END
+#endif
+
+/// with_count, which calls a kernel's lambda per microkernel, is always inlined: a lambda
+/// defined in a target region cannot be inlined into baseline code, only into the region's
+/// function that with_count is inlined into, and the early inliner sees that call only once
+/// with_count is inlined. (Without it, the avx2 kernel's microkernels were called out of
+/// line, and its prefill took 1.4 times as long. for_each_block, called once per block, is
+/// not: inlining the whole block into the kernel's entry made the S microkernel spill an
+/// accumulator, 1.2 times as long.)
+#if defined(__GNUC__) || defined(__clang__)
+#define MHA_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define MHA_ALWAYS_INLINE inline
+#endif
 
 namespace mha::support {
 
@@ -448,7 +488,7 @@ void for_each_block(const Problem& p, std::int64_t rows_per_head, F&& f) {
 
 namespace detail {
 template <int... I, typename F>
-void with_count(std::int64_t n, F& f, std::integer_sequence<int, I...>) {
+MHA_ALWAYS_INLINE void with_count(std::int64_t n, F& f, std::integer_sequence<int, I...>) {
   // Exactly one comparison holds: n is clamped to 1 .. kMax by the caller. Largest first:
   // whole row groups and whole key or column steps are the common case.
   constexpr int kMax = sizeof...(I);
@@ -459,7 +499,7 @@ void with_count(std::int64_t n, F& f, std::integer_sequence<int, I...>) {
 /// f(std::integral_constant<int, n>{}) with n clamped to 1 .. kMax: a microkernel's row,
 /// key or column count as a compile-time constant.
 template <int kMax, typename F>
-void with_count(std::int64_t n, F&& f) {
+MHA_ALWAYS_INLINE void with_count(std::int64_t n, F&& f) {
   static_assert(kMax >= 1);
   detail::with_count(std::clamp<std::int64_t>(n, 1, kMax), f,
                      std::make_integer_sequence<int, kMax>{});
