@@ -18,9 +18,10 @@
 # The flags of an ISA enable exactly the features its line of kernels/include/mha/isa.inc
 # detects at run time. README.md's copy table shows them for the kernels that take them;
 # the ctest copy/readme-flags checks it (cmake/check_readme_flags.cmake). GCC and Clang
-# spelling; NEON is AArch64's baseline and needs none.
+# spelling. NEON is AArch64's baseline: its list is defined and empty.
 set(MHA_ISA_FLAGS_avx2 -mavx2 -mfma)
 set(MHA_ISA_FLAGS_avx512 -mavx512f -mavx512vl -mavx512dq -mavx512bw -mfma)
+set(MHA_ISA_FLAGS_neon "")
 
 # mha_isa_sources(<isa> <file>...): builds the files (of targets in the calling directory)
 # with the flags of <isa>, and nothing else with them. Such a file may define no object with
