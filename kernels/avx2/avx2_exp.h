@@ -26,10 +26,12 @@
 //   * NaN gives NaN: the clamp keeps a NaN x (VMAXPS returns its second source when either
 //     is NaN), and then t, f and p are NaN.
 // Compiled for AVX2 + FMA by its own target attribute, whatever the includer's flags: call it
-// only where the CPU has them. Depends on immintrin.h only.
+// only where the CPU has them. Depends on immintrin.h and mha/support.h (kExp2Taylor) only.
 #pragma once
 
 #include <immintrin.h>
+
+#include "mha/support.h"
 
 namespace mha::avx2 {
 
@@ -38,15 +40,12 @@ __attribute__((target("avx2,fma"))) inline __m256 exp2_nonpositive(__m256 x) {
   x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);                 // NaN x stays NaN (second source)
   const __m256 t = _mm256_add_ps(x, shifter);                    // 1.5 2^23 + n + 127, n = round(x)
   const __m256 f = _mm256_sub_ps(x, _mm256_sub_ps(t, shifter));  // both exact
-  // ln2^k / k! for k = 7 .. 1, rounded to float.
-  __m256 p = _mm256_set1_ps(1.52527338e-5f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.54035304e-4f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.33335581e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61812911e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55041087e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226507e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147181e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // 2^f: ln2^k / k! for k = 7 .. 0 (mha::support::kExp2Taylor).
+  __m256 p = _mm256_set1_ps(mha::support::kExp2Taylor[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) {
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(mha::support::kExp2Taylor[i]));
+  }
   // The exponent field n + 127 (0 .. 127) moved into place: 2^n, or +0 for n = -127. The
   // bits of 1.5 2^23 above the field shift out.
   const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));

@@ -79,6 +79,15 @@ namespace mha::support {
 constexpr double kLog2e = 1.4426950408889634074;  ///< log2(e): natural to base-2 logits
 constexpr double kLn2 = 0.69314718055994530942;   ///< ln(2): base-2 to natural log
 
+/// 2^f = e^(f ln2) by its degree-7 Taylor polynomial for f in [-1/2, 1/2], Horner order:
+/// the coefficients ln2^k / k! for k = 7 down to 0, rounded to float (truncation error
+/// (ln2 / 2)^8 / 8! < 2^-27 relative). The 2^x of the avx2, xsimd and highway kernels
+/// (kernels/avx2/avx2_exp.h gives the algorithm and its measured error); avx512 and neon use
+/// their own minimax polynomials.
+inline constexpr float kExp2Taylor[8] = {
+    1.52527338e-5f, 1.54035304e-4f, 1.33335581e-3f, 9.61812911e-3f,
+    5.55041087e-2f, 2.40226507e-1f, 6.93147181e-1f, 1.0f};
+
 constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
 constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t m) { return (n + m - 1) / m; }
 
