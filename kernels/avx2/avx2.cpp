@@ -28,6 +28,14 @@
 // Decode (fewer than 16 rows g x q_len per KV head) takes its own path, decode_rows, with
 // the lanes along head_dim and K and V read in place: see "Decode" below.
 //
+// The loops (blocks, tiles, groups, the prefetch schedule, the tiling rule, the workspace
+// and decode's tiles) are mha/tiled_loops.h's, which the xsimd and highway kernels share;
+// this file is its policy, struct Avx2: the packing, the two microkernels, the softmax step
+// and decode's row steps, inlined into the loops. Against this file's own loops (AMD EPYC
+// Zen 4, 1 thread, alternating runs, medians) the prefill ran 0.99-1.00 times as long and
+// decode 0.95-1.01; callgrind counted 0.995-0.998 times the instructions per prefill call
+// and 1.005 per decode call.
+//
 // ISA: AVX2 + FMA, for all code below the includes (MHA_TARGET_BEGIN, mha/support.h: the file
 // needs no flags), which runs only when the CPU has them: 8-float ymm vectors, 16 registers.
 // Both microkernels hold a 6 x 2 grid of ymm accumulators (12 registers; 2 for the streamed
@@ -113,7 +121,8 @@
 // avx2_exp.h rounds x to an integer by adding 1.5 2^23, which in FE_UPWARD rounds up: f
 // would leave [-1/2, 1/2], and the polynomial's error bound with it.
 //
-// Depends on mha/attention.h, mha/support.h and avx2_exp.h (this folder) only.
+// Depends on mha/attention.h, mha/support.h, mha/tiled_loops.h and avx2_exp.h (this folder)
+// only.
 #include "avx2_exp.h"
 
 #include <algorithm>
@@ -128,21 +137,10 @@
 MHA_TARGET_BEGIN("avx2,fma")
 namespace {
 
-using mha::support::Block;
-using mha::support::Carve;
+#include "mha/tiled_loops.h"  // the loops: inside this file's namespace and target region
+
 using mha::support::round_up;
-using mha::support::RowPrefetch;
-
-constexpr int kRows = 6;                       // MR: query rows per microkernel group
-constexpr int kPanel = 16;                     // keys per K panel = columns per V panel (2 ymm)
-constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, the S buffer's row stride
-constexpr std::int64_t kBlockFloats = 131072;  // R x D16 at most this (512 KiB): see the header
-
-// scale log2(e), rounded once: the logits' base change (the tolerance's rounded log2(e)
-// constant).
-float logit_scale_of(const mha::Problem& p) {
-  return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
-}
+using tiled::kKeys;
 
 // Lanes [0, n) of a ymm (none for n <= 0, all for n >= 8), as a maskload/maskstore mask.
 __m256i first_lanes(std::int64_t n) {
@@ -189,311 +187,13 @@ __m256 load_part(const float* x, std::int64_t n) {
   return n >= 8 ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, first_lanes(n));
 }
 
-// kp[panel][d][i] = k[16 panel + i][d], 0 for keys >= keys, over round_up(keys, 16) keys.
-// k: [keys][dim], row stride k_seq   kp: [panels][dim][16]
-void pack_k(const float* k, std::int64_t k_seq, std::int64_t keys, std::int64_t dim, float* kp) {
-  for (std::int64_t j0 = 0; j0 < round_up(keys, kPanel); j0 += 8) {
-    float* panel = kp + (j0 / kPanel) * dim * kPanel + j0 % kPanel;
-    const std::int64_t nj = keys - j0;
-    if (nj <= 0) {  // the upper half of the last panel: zeros
-      for (std::int64_t d = 0; d < dim; ++d)
-        _mm256_storeu_ps(panel + d * kPanel, _mm256_setzero_ps());
-      continue;
-    }
-    for (std::int64_t d0 = 0; d0 < dim; d0 += 8) {
-      __m256 r[8];
-      for (int i = 0; i < 8; ++i) {
-        r[i] = i < nj ? load_part(k + (j0 + i) * k_seq + d0, dim - d0) : _mm256_setzero_ps();
-      }
-      transpose8(r);
-      const std::int64_t nd = std::min<std::int64_t>(8, dim - d0);
-      for (int i = 0; i < nd; ++i) _mm256_storeu_ps(panel + (d0 + i) * kPanel, r[i]);
-    }
-  }
-}
-
-// vp[panel][j][c] = v[j][16 panel + c], 0 for columns >= dim.
-// v: [keys][dim], row stride v_seq   vp: [panels][kKeys][16]
-void pack_v(const float* v, std::int64_t v_seq, std::int64_t keys, std::int64_t dim, float* vp) {
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const float* row = v + j * v_seq;
-    for (std::int64_t c = 0; c < dim; c += 8) {
-      _mm256_storeu_ps(vp + (c / kPanel) * kKeys * kPanel + j * kPanel + c % kPanel,
-                       load_part(row + c, dim - c));
-    }
-    if (dim % kPanel != 0 && dim % kPanel <= 8) {  // the last panel's upper half: zeros
-      _mm256_storeu_ps(vp + (dim / kPanel) * kKeys * kPanel + j * kPanel + 8, _mm256_setzero_ps());
-    }
-  }
-}
-
-// qp[d][r] = q[r][d] for r < nr, 0 for nr <= r < 6: 8 x 8 transposes of 8 columns of the
-// rows (rows 6 and 7 zero), of which 6 lanes are stored.   q[r]: [dim]   qp: [dim][6]
-void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
-  for (std::int64_t d0 = 0; d0 < dim; d0 += 8) {
-    __m256 r[8];
-    for (int i = 0; i < 8; ++i)
-      r[i] = i < nr ? load_part(q[i] + d0, dim - d0) : _mm256_setzero_ps();
-    transpose8(r);
-    const std::int64_t nd = std::min<std::int64_t>(8, dim - d0);
-    for (int i = 0; i < nd; ++i) {
-      float* out = qp + (d0 + i) * kRows;
-      _mm_storeu_ps(out, _mm256_castps256_ps128(r[i]));
-      _mm_storel_pi(reinterpret_cast<__m64*>(out + 4), _mm256_extractf128_ps(r[i], 1));
-    }
-  }
-}
-
-// One step of both microkernels, a rank-1 update of the MR x 16 accumulators:
-// acc[r] += a[r * kStride] * b[0 .. 16) for r < MR (a broadcast per row, b two vectors).
-template <int MR, std::int64_t kStride>
-void rank1_update(__m256 (&acc)[MR][2], const float* a, const float* b) {
-  const __m256 b0 = _mm256_loadu_ps(b);
-  const __m256 b1 = _mm256_loadu_ps(b + 8);
-  for (int r = 0; r < MR; ++r) {
-    const __m256 ar = _mm256_broadcast_ss(a + r * kStride);
-    acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
-    acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
-  }
-}
-
-// The S microkernel: s[r][0 .. 16) = c sum_d qp[d][r] kp[d][0 .. 16) for r < MR, with
-// lanes >= limit[r] set to -inf (keys row r does not see); rowmax[r] (8 lanes) takes the
-// lane-wise max, ignoring NaN logits.
-// qp: [dim][6]   kp: [dim][16] (one panel)   s: [MR][kKeys]   rowmax: [MR][8]
-template <int MR>
-void logits_tile(const float* qp, const float* kp, std::int64_t dim, float c,
-                 const std::int64_t* limit, float* s, float* rowmax) {
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (std::int64_t d = 0; d < dim; ++d) {
-    rank1_update<MR, 1>(acc, qp + d * kRows, kp + d * kPanel);
-  }
-  const __m256 cv = _mm256_set1_ps(c);
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int r = 0; r < MR; ++r) {
-    __m256 x0 = _mm256_mul_ps(acc[r][0], cv), x1 = _mm256_mul_ps(acc[r][1], cv);
-    if (limit[r] < kPanel) {
-      x0 = _mm256_blendv_ps(neg_inf, x0, _mm256_castsi256_ps(first_lanes(limit[r])));
-      x1 = _mm256_blendv_ps(neg_inf, x1, _mm256_castsi256_ps(first_lanes(limit[r] - 8)));
-    }
-    _mm256_storeu_ps(s + r * kKeys, x0);
-    _mm256_storeu_ps(s + r * kKeys + 8, x1);
-    // Running max second: a NaN x leaves it unchanged.
-    const __m256 m = _mm256_max_ps(x1, _mm256_loadu_ps(rowmax + 8 * r));
-    _mm256_storeu_ps(rowmax + 8 * r, _mm256_max_ps(x0, m));
-  }
-}
-
-// The PV microkernel: o[r][0 .. 16) = alpha[r] o[r][0 .. 16) + sum_{j < keys} p[r][j]
-// vp[j][0 .. 16) for r < MR; alpha null: no rescale.
-// p: [MR][kKeys]   vp: [keys][16] (one panel)   o: [MR][ld_o]
-template <int MR>
-void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* alpha, float* o,
-             std::int64_t ld_o) {
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) {
-    acc[r][0] = _mm256_loadu_ps(o + r * ld_o);
-    acc[r][1] = _mm256_loadu_ps(o + r * ld_o + 8);
-    if (alpha != nullptr) {
-      const __m256 a = _mm256_broadcast_ss(alpha + r);
-      acc[r][0] = _mm256_mul_ps(acc[r][0], a);
-      acc[r][1] = _mm256_mul_ps(acc[r][1], a);
-    }
-  }
-  for (std::int64_t j = 0; j < keys; ++j) {
-    rank1_update<MR, kKeys>(acc, p + j, vp + j * kPanel);
-  }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(o + r * ld_o, acc[r][0]);
-    _mm256_storeu_ps(o + r * ld_o + 8, acc[r][1]);
-  }
-}
-
-// One row's base-2 online-softmax step over its `cols` (>= 1) logits of this tile: s
-// becomes the weights 2^(s - m_new); lanes up to the next multiple of 8 are -inf (masked
-// by the S epilogue) and become 0. rowmax: the row's 8 lane maxima over the tile.
-void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, float* l,
-                    float* alpha) {
-  const float m_old = *m;
-  const float tile_max = horizontal_max(_mm256_loadu_ps(rowmax));  // no lane is NaN
-  const float m_new = tile_max > m_old ? tile_max : m_old;
-  float a = 1.0f;
-  if (m_new > m_old) {
-    a = std::exp2(m_old - m_new);  // exactly 0 when m_old is -inf
-    *m = m_new;
-  }
-  const __m256 base = _mm256_set1_ps(mha::support::logit_shift(m_new));
-  __m256 sum = _mm256_setzero_ps();
-  for (std::int64_t j = 0; j < cols; j += 8) {
-    const __m256 w = mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), base));
-    _mm256_storeu_ps(s + j, w);
-    sum = _mm256_add_ps(sum, w);
-  }
-  *l = *l * a + horizontal_sum(sum);
-  *alpha = a;
-}
-
-// o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
-// blocked's finish_row).
-void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
-                float* o, float* lse) {
-  const __m256 lv = _mm256_set1_ps(l);  // a division: one rounding, as the tolerance assumes
-  for (std::int64_t d = 0; d < dim; d += 8) {
-    const __m256 x =
-        visible == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(acc + d), lv);
-    if (dim - d >= 8) {
-      _mm256_storeu_ps(o + d, x);
-    } else {
-      _mm256_maskstore_ps(o + d, first_lanes(dim - d), x);
-    }
-  }
-  if (lse == nullptr) return;
-  *lse = visible == 0 ? -std::numeric_limits<float>::infinity() : mha::support::row_lse_base2(m, l);
-}
-
-// The kernel's arrays in the caller's workspace, sized for the largest block
-// (R = g x Br rows, R6 = R rounded up to 6).
-struct Scratch {
-  std::int64_t dim16;  // head_dim rounded up to 16: O's row stride, V panels x 16
-  float* kp;           // [Bc / 16][head_dim][16]: the K tile, packed
-  float* vp;           // [dim16 / 16][Bc][16]: the V tile, packed
-  float* qp;           // [R6 / 6][head_dim][6]: the block's Q, packed
-  float* s;            // [R][Bc]: logits, then weights
-  float* acc;          // [R][dim16]: O
-  float* rowmax;       // [R][8]: lane maxima of the tile's logits
-  float* m;            // [R]: running maxima (base 2)
-  float* l;            // [R]: running sums
-  float* alpha;        // [R]: this tile's rescale factors
-  std::int64_t* cols;  // [R]: keys of this tile each row sees
-};
-
-// Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (D + Bc +
-// D16) floats for Qp, S and O, and 2 Bc D16 for Kp and Vp, with R D16 within kBlockFloats.
-std::int64_t rows_per_head(const mha::Problem& p) {
-  const std::int64_t dim16 = round_up(p.head_dim, kPanel);
-  return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim16, 2 * kKeys * dim16,
-                                            kBlockFloats / dim16);
-}
-
-Scratch carve(const mha::Problem& p, Carve& carve) {
-  const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = p.q_heads / p.kv_heads * rows_per_head(p);
-  Scratch s;
-  s.dim16 = round_up(dim, kPanel);
-  s.kp = carve.take<float>(kKeys * dim);
-  s.vp = carve.take<float>(s.dim16 * kKeys);
-  s.qp = carve.take<float>(round_up(rows, kRows) * dim);
-  s.s = carve.take<float>(rows * kKeys);
-  s.acc = carve.take<float>(rows * s.dim16);
-  s.rowmax = carve.take<float>(8 * rows);
-  s.m = carve.take<float>(rows);
-  s.l = carve.take<float>(rows);
-  s.alpha = carve.take<float>(rows);
-  s.cols = carve.take<std::int64_t>(rows);
-  return s;
-}
-
-// The KV tile of keys [c0, c0 + keys) in the block's loop: its K and V rows.
-struct Tile {
-  std::int64_t c0, keys;
-  const float* k;  // [keys][head_dim], row stride p.k.seq
-  const float* v;  // [keys][head_dim], row stride p.v.seq
-};
-
-// The number of the block's microkernel groups of kRows rows.
-std::int64_t groups(const Block& block) { return (block.rows + kRows - 1) / kRows; }
-
-// The phases of one block, in the order the file's header lists them.
-
-// Qp for every group of kRows block rows; m, l and O start empty.
-void start_block(const mha::Problem& p, const Block& block, const float* q, const Scratch& s) {
-  for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-    const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-    const float* qr[kRows];
-    for (int r = 0; r < nr; ++r) qr[r] = block.q_row(p, q, t0 + r);
-    pack_q(qr, nr, p.head_dim, s.qp + t0 * p.head_dim);
-  }
-  std::fill(s.m, s.m + block.rows, -std::numeric_limits<float>::infinity());
-  std::fill(s.l, s.l + block.rows, 0.0f);
-  std::fill(s.acc, s.acc + block.rows * s.dim16, 0.0f);
-}
-
-// S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1;
-// rowmax takes each row's lane maxima. Steps v_ahead once per microkernel call.
-void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, float c,
-                 const Scratch& s, RowPrefetch& v_ahead) {
-  std::fill(s.rowmax, s.rowmax + 8 * block.rows, -std::numeric_limits<float>::infinity());
-  for (std::int64_t j0 = 0; j0 < tile.keys; j0 += kPanel) {
-    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-      std::int64_t limit[kRows], most = 0;
-      for (int r = 0; r < nr; ++r) {
-        limit[r] = s.cols[t0 + r] - j0;
-        most = std::max(most, limit[r]);
-      }
-      if (most <= 0) continue;  // no row of the group sees this panel
-      mha::support::with_count<kRows>(nr, [&](auto rows) {
-        logits_tile<decltype(rows)::value>(s.qp + t0 * p.head_dim, s.kp + j0 * p.head_dim,
-                                           p.head_dim, c, limit, s.s + t0 * kKeys + j0,
-                                           s.rowmax + 8 * t0);
-      });
-      v_ahead.step();
-    }
-  }
-}
-
-// The online-softmax step of every row: S becomes the weights P, alpha the rescale factor.
-void tile_softmax(const Block& block, const Scratch& s) {
-  for (std::int64_t t = 0; t < block.rows; ++t) {
-    s.alpha[t] = 1.0f;
-    if (s.cols[t] > 0) {
-      online_softmax(s.s + t * kKeys, s.cols[t], s.rowmax + 8 * t, s.m + t, s.l + t, s.alpha + t);
-    }
-  }
-}
-
-// O = alpha O + P V, V panel by V panel, each reused by every group from L1: keys every row
-// of a group sees through the group's microkernel, each row's extra keys (the causal
-// diagonal) through a 1-row pass. Steps k_ahead once per group.
-void tile_pv(const Block& block, const Tile& tile, const Scratch& s, RowPrefetch& k_ahead) {
-  for (std::int64_t c16 = 0; c16 < s.dim16; c16 += kPanel) {
-    const float* panel = s.vp + (c16 / kPanel) * kKeys * kPanel;
-    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-      std::int64_t shared = tile.keys, most = 0;
-      for (int r = 0; r < nr; ++r) {
-        shared = std::min(shared, s.cols[t0 + r]);
-        most = std::max(most, s.cols[t0 + r]);
-      }
-      if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
-      k_ahead.step();
-      float* o_rows = s.acc + t0 * s.dim16 + c16;
-      // No rescale once the group's maxima have settled (every alpha 1).
-      bool rescale = false;
-      for (int r = 0; r < nr; ++r) rescale |= s.alpha[t0 + r] != 1.0f;
-      mha::support::with_count<kRows>(nr, [&](auto rows) {
-        pv_tile<decltype(rows)::value>(s.s + t0 * kKeys, shared, panel,
-                                       rescale ? s.alpha + t0 : nullptr, o_rows, s.dim16);
-      });
-      for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
-        const std::int64_t extra = s.cols[t0 + r] - shared;
-        if (extra > 0) {
-          pv_tile<1>(s.s + (t0 + r) * kKeys + shared, extra, panel + shared * kPanel, nullptr,
-                     o_rows + r * s.dim16, s.dim16);
-        }
-      }
-    }
-  }
-}
-
-// o = O / l, lse = (m + log2 l) ln 2 for every block row.
-void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
-                  float* lse) {
-  for (std::int64_t t = 0; t < block.rows; ++t) {
-    finish_row(s.acc + t * s.dim16, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), p.head_dim,
-               block.o_row(p, o, t), block.lse_at(p, lse, t));
-  }
+// Lane i of the result: the sum of a[i]'s 8 lanes.
+__m256 sum_lanes8(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  // u0 lane i (i < 4): half of a[i]'s sum in each 128-bit half; u1 the same for a[4 + i].
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // Decode: fewer than kDecodeRows = 16 query rows (g x q_len) per KV head, too few to
@@ -541,274 +241,335 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
 // The packed prefill path for such decodes (one query row, K and V of 4 MiB in the L3) was
 // no better where decode is weakest: 0.89x at D = 16, g = 4 (1.2x at g = 8), 0.67x and
 // 0.85x at D = 128, g = 4 and 8.
-constexpr std::int64_t kDecodeRows = 16;  // rows per KV head below which a problem decodes
-constexpr std::int64_t kDotKeys = 8;      // keys per dot_keys call
-constexpr std::int64_t kPvColumns = 64;   // head_dim columns per add_weighted_rows call
+// The policy of mha/tiled_loops.h: this ISA's pieces.
+struct Avx2 {
+  static constexpr int kRows = 6;  // MR: query rows per microkernel group
+  static constexpr bool kWholeGroups = false;
+  static constexpr std::int64_t kPanel = 16;  // keys per K panel = columns per V panel (2 ymm)
+  static constexpr std::int64_t lanes() { return 8; }
+  static constexpr std::int64_t panel() { return kPanel; }
 
-bool decodes(const mha::Problem& p) { return p.q_heads / p.kv_heads * p.q_len < kDecodeRows; }
-
-// Lane i of the result: the sum of a[i]'s 8 lanes.
-__m256 sum_lanes8(const __m256 (&a)[8]) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  // u0 lane i (i < 4): half of a[i]'s sum in each 128-bit half; u1 the same for a[4 + i].
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// Lane i: q . k_i (i < NK; lanes from NK on are 0) for the key rows k_i = k + i k_seq,
-// over head_dim = dim: decode's S step. Full slices of 32 columns keep 4 vectors of q in
-// registers against 8 accumulators; the last partial slice loads its last vector masked.
-template <int NK>
-__m256 dot_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t dim) {
-  __m256 a[8];
-#pragma GCC unroll 8
-  for (__m256& x : a) x = _mm256_setzero_ps();
-  std::int64_t d0 = 0;
-  for (; d0 + 32 <= dim; d0 += 32) {
-    __m256 qv[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) qv[c] = _mm256_loadu_ps(q + d0 + 8 * c);
-#pragma GCC unroll 8
-    for (int i = 0; i < NK; ++i) {
-      const float* key = k + i * k_seq + d0;
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) a[i] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(key + 8 * c), a[i]);
-    }
-  }
-  // The last 1 .. 31 columns, a vector at a time: whole vectors by plain loads, the last
-  // partial one masked (all masked, the D = 16 decode, which is all tail, ran 6.0-6.5 ns per
-  // row and key on a Zen 3 core instead of 5.7-6.1; VMASKMOVPS loads are slow on Zen).
-  for (; d0 + 8 <= dim; d0 += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d0);
-#pragma GCC unroll 8
-    for (int i = 0; i < NK; ++i) {
-      a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * k_seq + d0), a[i]);
-    }
-  }
-  if (d0 < dim) {
-    const __m256i mask = first_lanes(dim - d0);
-    const __m256 qv = _mm256_maskload_ps(q + d0, mask);
-#pragma GCC unroll 8
-    for (int i = 0; i < NK; ++i) {
-      a[i] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(k + i * k_seq + d0, mask), a[i]);
-    }
-  }
-  return sum_lanes8(a);
-}
-
-// acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited to
-// `last` of them) of the rows v_j = v + j v_seq: decode's P V step for one row.
-template <int NV>
-void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
-                       std::int64_t last, float* acc, float alpha) {
-  const __m256i last_mask = first_lanes(last);
-  const __m256 av = _mm256_set1_ps(alpha);
-  __m256 o[NV];
-#pragma GCC unroll 8
-  for (int c = 0; c < NV; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), av);
-  for (std::int64_t j = 0; j < cols; ++j) {
-    const __m256 wj = _mm256_broadcast_ss(w + j);
-    const float* row = v + j * v_seq;
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) {
-      const __m256 x = c + 1 == NV && last < 8 ? _mm256_maskload_ps(row + 8 * c, last_mask)
-                                               : _mm256_loadu_ps(row + 8 * c);
-      o[c] = _mm256_fmadd_ps(wj, x, o[c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
-}
-
-// Prefetches rows [0, n) of K and V (row strides k_seq, v_seq; dim floats each) into L2,
-// every line holding an element of them: decode's software prefetch, whole rows at a time
-// (no per-line state: with RowPrefetch's, the bookkeeping cost 4.4 ns per row and key).
-// Inlined: called out of line from the S loop, decode from memory (g = 4) ran 28-38 ns per
-// row and key instead of 23-31 (the call clobbers every vector register).
-__attribute__((always_inline)) inline void prefetch_rows(const float* k, std::int64_t k_seq,
-                                                         const float* v, std::int64_t v_seq,
-                                                         std::int64_t n, std::int64_t dim) {
-  const std::int64_t bytes = dim * std::int64_t{sizeof(float)};
-  for (std::int64_t i = 0; i < n; ++i) {
-    const char* k_row = reinterpret_cast<const char*>(k + i * k_seq);
-    const char* v_row = reinterpret_cast<const char*>(v + i * v_seq);
-    for (std::int64_t b = 0; b < bytes; b += 64) {
-      _mm_prefetch(k_row + b, _MM_HINT_T1);
-      _mm_prefetch(v_row + b, _MM_HINT_T1);
-    }
-    // The last element's line, when the row does not start on a line.
-    _mm_prefetch(k_row + bytes - sizeof(float), _MM_HINT_T1);
-    _mm_prefetch(v_row + bytes - sizeof(float), _MM_HINT_T1);
-  }
-}
-
-// Decode's arrays in the caller's workspace.
-struct DecodeScratch {
-  std::int64_t tile_keys;  // keys per tile, a multiple of kDotKeys
-  std::int64_t d8;         // head_dim rounded up to 8: an accumulator's length
-  float* acc;              // [rows][d8]: O
-  float* weights;          // [tile_keys]: one row's logits, then its weights
-};
-
-DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
-  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
-  DecodeScratch s;
-  s.tile_keys = mha::support::decode_tile_keys(p, kDotKeys);
-  s.d8 = round_up(p.head_dim, 8);
-  s.acc = carve.take<float>(rows * s.d8);
-  s.weights = carve.take<float>(s.tile_keys);
-  return s;
-}
-
-// One function on purpose, as avx512's decode: the per-row steps stay in one register
-// allocation.
-void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
-                 float* lse, mha::Workspace ws) {
-  const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
-  Carve workspace(ws.data);
-  const DecodeScratch s = carve_decode(p, workspace);
-  const std::int64_t tile_keys = s.tile_keys;
-  const __m256 logit_scale = _mm256_set1_ps(logit_scale_of(p));
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  // Prefetch steps per tile: one per 8 keys of every row's S.
-  const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, kDotKeys);
-
-  // One block per (batch, KV head): all its g x q_len rows (block row t: query head
-  // head0 + t / q_len, query row t % q_len).
-  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
-    float ms[kDecodeRows], ls[kDecodeRows];
-    std::fill(ms, ms + rows, neg_inf);
-    std::fill(ls, ls + rows, 0.0f);
-    std::fill(s.acc, s.acc + rows * s.d8, 0.0f);
-    const std::int64_t block_keys = block.keys(p);
-    // The first tile, before it is needed.
-    prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
-
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
-      const std::int64_t keys = std::min(tile_keys, block_keys - c0);
-      const std::int64_t next = std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
-      const float* k_tile = k_head + c0 * p.k.seq;
-      const float* v_tile = v_head + c0 * p.v.seq;
-      // The next tile's rows, rows_per_step at each step. One counter, not pointers
-      // and a count: the S loop has no register to spare (with three more loop-carried
-      // values it ran 27 ns per row and key here instead of 21).
-      const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
-      std::int64_t step = 0;
-      for (std::int64_t t = 0; t < rows; ++t) {
-        const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
-        if (cols == 0) continue;
-        const float* qr = block.q_row(p, q, t);
-        // Base-2 logits of the row's `cols` keys, 8 at a time: key i's dot product in
-        // a[i], over slices of 32 columns of head_dim whose q part stays in registers.
-        __m256 mv = _mm256_set1_ps(neg_inf);
-        for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-          const std::int64_t nk = std::min(kDotKeys, cols - j0);
-          const float* key0 = k_tile + j0 * p.k.seq;
-          __m256 dots;
-          mha::support::with_count<kDotKeys>(nk, [&](auto count) {
-            dots = dot_keys<decltype(count)::value>(qr, key0, p.k.seq, dim);
-          });
-          const std::int64_t first = step++ * rows_per_step;
-          if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
-            prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
-                          v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
-          }
-          const __m256 x = _mm256_mul_ps(dots, logit_scale);
-          _mm256_storeu_ps(s.weights + j0, x);
-          // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
-          mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
+  // kp[panel][d][i] = k[16 panel + i][d], 0 for keys >= keys, over round_up(keys, 16) keys.
+  // k: [keys][dim], row stride k_seq   kp: [panels][dim][16]
+  static void pack_k(const float* k, std::int64_t k_seq, std::int64_t keys, std::int64_t dim,
+                     float* kp) {
+    for (std::int64_t j0 = 0; j0 < round_up(keys, kPanel); j0 += 8) {
+      float* panel = kp + (j0 / kPanel) * dim * kPanel + j0 % kPanel;
+      const std::int64_t nj = keys - j0;
+      if (nj <= 0) {  // the upper half of the last panel: zeros
+        for (std::int64_t d = 0; d < dim; ++d)
+          _mm256_storeu_ps(panel + d * kPanel, _mm256_setzero_ps());
+        continue;
+      }
+      for (std::int64_t d0 = 0; d0 < dim; d0 += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) {
+          r[i] = i < nj ? load_part(k + (j0 + i) * k_seq + d0, dim - d0) : _mm256_setzero_ps();
         }
-        const float tile_max = horizontal_max(mv);  // no lane of mv is NaN
-        float alpha = 1.0f;
-        if (tile_max > ms[t]) {
-          alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
-          ms[t] = tile_max;
-        }
-        const __m256 base = _mm256_set1_ps(mha::support::logit_shift(ms[t]));
-        __m256 sum = _mm256_setzero_ps();
-        for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-          const __m256 w = _mm256_and_ps(
-              mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s.weights + j0), base)),
-              _mm256_castsi256_ps(first_lanes(cols - j0)));
-          _mm256_storeu_ps(s.weights + j0, w);
-          sum = _mm256_add_ps(sum, w);
-        }
-        ls[t] = ls[t] * alpha + horizontal_sum(sum);
-        // O = alpha O + P V over the row's keys, 64 columns of head_dim at a time.
-        float* acc = s.acc + t * s.d8;
-        for (std::int64_t d0 = 0; d0 < dim; d0 += kPvColumns) {
-          const std::int64_t n = std::min(kPvColumns, dim - d0);
-          mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
-            constexpr int kVectors = decltype(vectors)::value;
-            add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
-                                        n - 8 * (kVectors - 1), acc + d0, alpha);
-          });
-        }
+        transpose8(r);
+        const std::int64_t nd = std::min<std::int64_t>(8, dim - d0);
+        for (int i = 0; i < nd; ++i) _mm256_storeu_ps(panel + (d0 + i) * kPanel, r[i]);
       }
     }
+  }
 
-    for (std::int64_t t = 0; t < rows; ++t) {
-      finish_row(s.acc + t * s.d8, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
-                 block.o_row(p, o, t), block.lse_at(p, lse, t));
+  // vp[panel][j][c] = v[j][16 panel + c], 0 for columns >= dim.
+  // v: [keys][dim], row stride v_seq   vp: [panels][kKeys][16]
+  static void pack_v(const float* v, std::int64_t v_seq, std::int64_t keys, std::int64_t dim,
+                     float* vp) {
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const float* row = v + j * v_seq;
+      for (std::int64_t c = 0; c < dim; c += 8) {
+        _mm256_storeu_ps(vp + (c / kPanel) * kKeys * kPanel + j * kPanel + c % kPanel,
+                         load_part(row + c, dim - c));
+      }
+      if (dim % kPanel != 0 && dim % kPanel <= 8) {  // the last panel's upper half: zeros
+        _mm256_storeu_ps(vp + (dim / kPanel) * kKeys * kPanel + j * kPanel + 8,
+                         _mm256_setzero_ps());
+      }
     }
-  });
-}
+  }
+
+  // qp[d][r] = q[r][d] for r < nr, 0 for nr <= r < 6: 8 x 8 transposes of 8 columns of the
+  // rows (rows 6 and 7 zero), of which 6 lanes are stored.   q[r]: [dim]   qp: [dim][6]
+  static void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
+    for (std::int64_t d0 = 0; d0 < dim; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i)
+        r[i] = i < nr ? load_part(q[i] + d0, dim - d0) : _mm256_setzero_ps();
+      transpose8(r);
+      const std::int64_t nd = std::min<std::int64_t>(8, dim - d0);
+      for (int i = 0; i < nd; ++i) {
+        float* out = qp + (d0 + i) * kRows;
+        _mm_storeu_ps(out, _mm256_castps256_ps128(r[i]));
+        _mm_storel_pi(reinterpret_cast<__m64*>(out + 4), _mm256_extractf128_ps(r[i], 1));
+      }
+    }
+  }
+
+  // One step of both microkernels, a rank-1 update of the MR x 16 accumulators:
+  // acc[r] += a[r * kStride] * b[0 .. 16) for r < MR (a broadcast per row, b two vectors).
+  template <int MR, std::int64_t kStride>
+  static void rank1_update(__m256 (&acc)[MR][2], const float* a, const float* b) {
+    const __m256 b0 = _mm256_loadu_ps(b);
+    const __m256 b1 = _mm256_loadu_ps(b + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r * kStride);
+      acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+    }
+  }
+
+  // The S microkernel: s[r][0 .. 16) = c sum_d qp[d][r] kp[d][0 .. 16) for r < MR, with
+  // lanes >= limit[r] set to -inf (keys row r does not see); rowmax[r] (8 lanes) takes the
+  // lane-wise max, ignoring NaN logits.
+  // qp: [dim][6]   kp: [dim][16] (one panel)   s: [MR][kKeys]   rowmax: [MR][8]
+  template <int MR>
+  static void logits_tile(const float* qp, const float* kp, std::int64_t dim, float c,
+                          const std::int64_t* limit, float* s, float* rowmax) {
+    __m256 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (std::int64_t d = 0; d < dim; ++d) {
+      rank1_update<MR, 1>(acc, qp + d * kRows, kp + d * kPanel);
+    }
+    const __m256 cv = _mm256_set1_ps(c);
+    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int r = 0; r < MR; ++r) {
+      __m256 x0 = _mm256_mul_ps(acc[r][0], cv), x1 = _mm256_mul_ps(acc[r][1], cv);
+      if (limit[r] < kPanel) {
+        x0 = _mm256_blendv_ps(neg_inf, x0, _mm256_castsi256_ps(first_lanes(limit[r])));
+        x1 = _mm256_blendv_ps(neg_inf, x1, _mm256_castsi256_ps(first_lanes(limit[r] - 8)));
+      }
+      _mm256_storeu_ps(s + r * kKeys, x0);
+      _mm256_storeu_ps(s + r * kKeys + 8, x1);
+      // Running max second: a NaN x leaves it unchanged.
+      const __m256 m = _mm256_max_ps(x1, _mm256_loadu_ps(rowmax + 8 * r));
+      _mm256_storeu_ps(rowmax + 8 * r, _mm256_max_ps(x0, m));
+    }
+  }
+
+  // The PV microkernel: o[r][0 .. 16) = alpha[r] o[r][0 .. 16) + sum_{j < keys} p[r][j]
+  // vp[j][0 .. 16) for r < MR; alpha null: no rescale.
+  // p: [MR][kKeys]   vp: [keys][16] (one panel)   o: [MR][ld_o]
+  template <int MR>
+  static void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* alpha,
+                      float* o, std::int64_t ld_o) {
+    __m256 acc[MR][2];
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = _mm256_loadu_ps(o + r * ld_o);
+      acc[r][1] = _mm256_loadu_ps(o + r * ld_o + 8);
+      if (alpha != nullptr) {
+        const __m256 a = _mm256_broadcast_ss(alpha + r);
+        acc[r][0] = _mm256_mul_ps(acc[r][0], a);
+        acc[r][1] = _mm256_mul_ps(acc[r][1], a);
+      }
+    }
+    for (std::int64_t j = 0; j < keys; ++j) {
+      rank1_update<MR, kKeys>(acc, p + j, vp + j * kPanel);
+    }
+    for (int r = 0; r < MR; ++r) {
+      _mm256_storeu_ps(o + r * ld_o, acc[r][0]);
+      _mm256_storeu_ps(o + r * ld_o + 8, acc[r][1]);
+    }
+  }
+
+  // One row's base-2 online-softmax step over its `cols` (>= 1) logits of this tile: s
+  // becomes the weights 2^(s - m_new); lanes up to the next multiple of 8 are -inf (masked
+  // by the S epilogue) and become 0. rowmax: the row's 8 lane maxima over the tile.
+  static void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, float* l,
+                             float* alpha) {
+    const float m_old = *m;
+    const float tile_max = horizontal_max(_mm256_loadu_ps(rowmax));  // no lane is NaN
+    const float m_new = tile_max > m_old ? tile_max : m_old;
+    float a = 1.0f;
+    if (m_new > m_old) {
+      a = std::exp2(m_old - m_new);  // exactly 0 when m_old is -inf
+      *m = m_new;
+    }
+    const __m256 base = _mm256_set1_ps(mha::support::logit_shift(m_new));
+    __m256 sum = _mm256_setzero_ps();
+    for (std::int64_t j = 0; j < cols; j += 8) {
+      const __m256 w = mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), base));
+      _mm256_storeu_ps(s + j, w);
+      sum = _mm256_add_ps(sum, w);
+    }
+    *l = *l * a + horizontal_sum(sum);
+    *alpha = a;
+  }
+
+  // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
+  // blocked's finish_row).
+  static void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
+                         float* o, float* lse) {
+    const __m256 lv = _mm256_set1_ps(l);  // a division: one rounding, as the tolerance assumes
+    for (std::int64_t d = 0; d < dim; d += 8) {
+      const __m256 x =
+          visible == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(acc + d), lv);
+      if (dim - d >= 8) {
+        _mm256_storeu_ps(o + d, x);
+      } else {
+        _mm256_maskstore_ps(o + d, first_lanes(dim - d), x);
+      }
+    }
+    if (lse == nullptr) return;
+    *lse =
+        visible == 0 ? -std::numeric_limits<float>::infinity() : mha::support::row_lse_base2(m, l);
+  }
+
+  // ---- Decode (see "Decode" above) ----------------------------------------------------
+
+  static constexpr std::int64_t kDotKeys = 8;     // keys per dot_keys call
+  static constexpr std::int64_t kPvColumns = 64;  // head_dim columns per add_weighted_rows call
+  static constexpr std::int64_t decode_step() { return kDotKeys; }
+
+  // Lane i: q . k_i (i < NK; lanes from NK on are 0) for the key rows k_i = k + i k_seq,
+  // over head_dim = dim: decode's S step. Full slices of 32 columns keep 4 vectors of q in
+  // registers against 8 accumulators; the last partial slice loads its last vector masked.
+  template <int NK>
+  static __m256 dot_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t dim) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (__m256& x : a) x = _mm256_setzero_ps();
+    std::int64_t d0 = 0;
+    for (; d0 + 32 <= dim; d0 += 32) {
+      __m256 qv[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) qv[c] = _mm256_loadu_ps(q + d0 + 8 * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < NK; ++i) {
+        const float* key = k + i * k_seq + d0;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          a[i] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(key + 8 * c), a[i]);
+      }
+    }
+    // The last 1 .. 31 columns, a vector at a time: whole vectors by plain loads, the last
+    // partial one masked (all masked, the D = 16 decode, which is all tail, ran 6.0-6.5 ns per
+    // row and key on a Zen 3 core instead of 5.7-6.1; VMASKMOVPS loads are slow on Zen).
+    for (; d0 + 8 <= dim; d0 += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d0);
+#pragma GCC unroll 8
+      for (int i = 0; i < NK; ++i) {
+        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * k_seq + d0), a[i]);
+      }
+    }
+    if (d0 < dim) {
+      const __m256i mask = first_lanes(dim - d0);
+      const __m256 qv = _mm256_maskload_ps(q + d0, mask);
+#pragma GCC unroll 8
+      for (int i = 0; i < NK; ++i) {
+        a[i] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(k + i * k_seq + d0, mask), a[i]);
+      }
+    }
+    return sum_lanes8(a);
+  }
+
+  // acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited to
+  // `last` of them) of the rows v_j = v + j v_seq: decode's P V step for one row.
+  template <int NV>
+  static void add_weighted_rows(const float* w, std::int64_t cols, const float* v,
+                                std::int64_t v_seq, std::int64_t last, float* acc, float alpha) {
+    const __m256i last_mask = first_lanes(last);
+    const __m256 av = _mm256_set1_ps(alpha);
+    __m256 o[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), av);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const __m256 wj = _mm256_broadcast_ss(w + j);
+      const float* row = v + j * v_seq;
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) {
+        const __m256 x = c + 1 == NV && last < 8 ? _mm256_maskload_ps(row + 8 * c, last_mask)
+                                                 : _mm256_loadu_ps(row + 8 * c);
+        o[c] = _mm256_fmadd_ps(wj, x, o[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
+  }
+
+  // Prefetches rows [0, n) of K and V (row strides k_seq, v_seq; dim floats each) into L2,
+  // every line holding an element of them: decode's software prefetch, whole rows at a time
+  // (no per-line state: with RowPrefetch's, the bookkeeping cost 4.4 ns per row and key).
+  // Inlined: called out of line from the S loop, decode from memory (g = 4) ran 28-38 ns per
+  // row and key instead of 23-31 (the call clobbers every vector register).
+  static MHA_ALWAYS_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
+                                              std::int64_t v_seq, std::int64_t n,
+                                              std::int64_t dim) {
+    const std::int64_t bytes = dim * std::int64_t{sizeof(float)};
+    for (std::int64_t i = 0; i < n; ++i) {
+      const char* k_row = reinterpret_cast<const char*>(k + i * k_seq);
+      const char* v_row = reinterpret_cast<const char*>(v + i * v_seq);
+      for (std::int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch(k_row + b, _MM_HINT_T1);
+        _mm_prefetch(v_row + b, _MM_HINT_T1);
+      }
+      // The last element's line, when the row does not start on a line.
+      _mm_prefetch(k_row + bytes - sizeof(float), _MM_HINT_T1);
+      _mm_prefetch(v_row + bytes - sizeof(float), _MM_HINT_T1);
+    }
+  }
+
+  // Base-2 logits of the row's `cols` keys, 8 at a time: key i's dot product in a[i], over
+  // slices of 32 columns of head_dim whose q part stays in registers.
+  template <class Step>
+  static MHA_ALWAYS_INLINE float decode_logits(const float* q, const float* k, std::int64_t k_seq,
+                                               std::int64_t cols, std::int64_t dim, float c,
+                                               float* w, const Step& after_step) {
+    const __m256 logit_scale = _mm256_set1_ps(c);
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+      const std::int64_t nk = std::min(kDotKeys, cols - j0);
+      const float* key0 = k + j0 * k_seq;
+      __m256 dots;
+      mha::support::with_count<kDotKeys>(
+          nk, [&](auto count) { dots = dot_keys<decltype(count)::value>(q, key0, k_seq, dim); });
+      after_step();
+      const __m256 x = _mm256_mul_ps(dots, logit_scale);
+      _mm256_storeu_ps(w + j0, x);
+      // Lanes past nk keep mv; VMAXPS returns its second source (mv) for a NaN x.
+      mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
+    }
+    return horizontal_max(mv);  // no lane of mv is NaN
+  }
+
+  static MHA_ALWAYS_INLINE float decode_weights(float* w, std::int64_t cols, float shift) {
+    const __m256 base = _mm256_set1_ps(shift);
+    __m256 sum = _mm256_setzero_ps();
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+      const __m256 x = mha::avx2::exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(w + j0), base));
+      const __m256 e = _mm256_and_ps(x, _mm256_castsi256_ps(first_lanes(cols - j0)));
+      _mm256_storeu_ps(w + j0, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    return horizontal_sum(sum);
+  }
+
+  // O = alpha O + P V over the row's keys, 64 columns of head_dim at a time.
+  static MHA_ALWAYS_INLINE void decode_pv(const float* w, std::int64_t cols, const float* v,
+                                          std::int64_t v_seq, std::int64_t dim, float* acc,
+                                          float alpha) {
+    for (std::int64_t d0 = 0; d0 < dim; d0 += kPvColumns) {
+      const std::int64_t n = std::min(kPvColumns, dim - d0);
+      mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
+        constexpr int kVectors = decltype(vectors)::value;
+        add_weighted_rows<kVectors>(w, cols, v + d0, v_seq, n - 8 * (kVectors - 1), acc + d0,
+                                    alpha);
+      });
+    }
+  }
+};
+
+using Loops = tiled::Loops<Avx2>;
 
 }  // namespace
 
-std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) {
-  if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
-  // At least what the largest decode needs, so that the size never shrinks as q_len grows.
-  mha::Problem largest_decode = p;
-  largest_decode.q_heads = p.kv_heads;
-  largest_decode.q_len = kDecodeRows - 1;
-  return std::max(mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
-                  mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
-}
+std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) { return Loops::workspace(p); }
 
 void mha_f32_attention_avx2(const mha::Problem& p, const float* q, const float* k, const float* v,
                             float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  if (decodes(p)) {
-    decode_rows(p, q, k, v, o, lse, ws);
-    return;
-  }
-  const std::int64_t dim = p.head_dim;
-  const float c = logit_scale_of(p);
-  Carve workspace(ws.data);
-  const Scratch s = carve(p, workspace);
-
-  mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
-    start_block(p, block, q, s);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
-    const std::int64_t block_keys = block.keys(p);
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
-      const std::int64_t keys = std::min(kKeys, block_keys - c0);
-      const Tile tile{c0, keys, k_head + c0 * p.k.seq, v_head + c0 * p.v.seq};
-      for (std::int64_t t = 0; t < block.rows; ++t)
-        s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
-      // V of this tile arrives during S, K of the next one during P V.
-      const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
-      RowPrefetch v_ahead(tile.v, p.v.seq, keys, dim,
-                          groups(block) * ((keys + kPanel - 1) / kPanel));
-      RowPrefetch k_ahead;
-      if (next_keys > 0) {
-        k_ahead = RowPrefetch(tile.k + kKeys * p.k.seq, p.k.seq, next_keys, dim,
-                              groups(block) * (s.dim16 / kPanel));
-      }
-      pack_k(tile.k, p.k.seq, keys, dim, s.kp);
-      tile_logits(p, block, tile, c, s, v_ahead);
-      tile_softmax(block, s);
-      pack_v(tile.v, p.v.seq, keys, dim, s.vp);
-      tile_pv(block, tile, s, k_ahead);
-    }
-    finish_block(p, block, s, o, lse);
-  });
+  Loops::run(p, q, k, v, o, lse, ws);
 }
 
 MHA_TARGET_END

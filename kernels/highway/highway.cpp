@@ -22,9 +22,9 @@
 // Every entry point runs under mha::FpEnvGuard: the caller's floating-point environment
 // changes no bit.
 //
-// Depends on mha/attention.h, mha/support.h, highway_kernel-inl.h (this folder; found
-// through the include path: compile with -I of this folder) and Highway (headers and
-// libhwy, -lhwy) only.
+// Depends on mha/attention.h, mha/support.h, mha/tiled_loops.h, highway_kernel-inl.h (this
+// folder; found through the include path: compile with -I of this folder) and Highway
+// (headers and libhwy, -lhwy) only.
 #define HWY_DISABLE_PCLMUL_AES
 #define HWY_DISABLE_F16C
 #define HWY_WANT_AVX3_DL  // Highway 1.0 builds AVX3_DL only on request

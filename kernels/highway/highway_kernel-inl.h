@@ -5,19 +5,24 @@
 // length N = Lanes(d), a run-time value on SVE:
 //
 //   for each (batch, KV head, block of R = g x Br query rows; all g heads share every KV
-//            tile):                                                      for_each_block
-//     pack Q: each group of MR rows into Qp[d][MR], rows past R zero     StartBlock
+//            tile):                                                      tiled::Loops
+//     pack Q: each group of MR rows into Qp[d][MR], rows past R zero     PackQ
 //     for each KV tile of Bc = 128 keys some row of the block sees (causal: later tiles
 //              are skipped):
 //       pack K^T into panels Kp[panel][d][2N]                            PackK
-//       S = scale log2(e) Q K^T    microkernel MR rows x 2N keys         TileLogits
-//       online softmax in base 2 per row (Exp2NonPositive below)         TileSoftmax
+//       S = scale log2(e) Q K^T    microkernel MR rows x 2N keys         LogitsTile
+//       online softmax in base 2 per row (Exp2NonPositive below)         OnlineSoftmax
 //       pack V into column panels Vp[panel][key][2N]                     PackV
-//       O = alpha O + P V          microkernel MR rows x 2N columns      TilePv
+//       O = alpha O + P V          microkernel MR rows x 2N columns      PvTile, PvRow
 //     o = O / l, lse = (m + log2 l) ln2                                  FinishRow
 //
 // Decode (fewer than 16 rows g x q_len per KV head): lanes along head_dim, K and V read in
-// place, 4 keys' dot products at a time, each finished by SumOfLanes (DecodeRows).
+// place, 4 keys' dot products at a time, each finished by SumOfLanes (DecodeLogits,
+// DecodeWeights, AddWeightedRows).
+//
+// The loops are mha/tiled_loops.h's, shared with avx2 and the xsimd kernels, included once
+// per target inside this target's namespace and pragmas; struct Ops below is their policy,
+// made of this file's functions.
 //
 // What Highway 1.0.3 does not give, and what this file does instead:
 //   * Arrays of vectors or vectors as members: SVE's vectors are sizeless types, which may
@@ -66,10 +71,10 @@ namespace mha::highway_kernel {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using mha::support::Block;
-using mha::support::Carve;
+// The loops, once per target: inside this target's namespace and pragmas (mha/tiled_loops.h).
+#include "mha/tiled_loops.h"
+
 using mha::support::round_up;
-using mha::support::RowPrefetch;
 
 using D = hn::ScalableTag<float>;
 using V = hn::Vec<D>;
@@ -84,10 +89,8 @@ constexpr int kRows = 12;
 #define MHA_HWY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #endif
 
-constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, S's row stride
-constexpr std::int64_t kBlockFloats = 131072;  // R x D rounded to 2N at most this
-constexpr std::int64_t kDecodeRows = 16;       // rows per KV head below which a problem decodes
-constexpr std::int64_t kDotKeys = 4;           // keys per decode dot-product step
+using tiled::kKeys;                   // Bc: keys per KV tile, S's row stride
+constexpr std::int64_t kDotKeys = 4;  // keys per decode dot-product step
 // The widest vector this target may have, in floats (2048-bit SVE: 64).
 constexpr std::size_t kMaxLanes = HWY_MAX_BYTES / sizeof(float);
 
@@ -96,11 +99,6 @@ inline float NegInf() { return -std::numeric_limits<float>::infinity(); }
 // N, and the panel width 2N: run-time values (constant on every target but SVE).
 HWY_INLINE std::int64_t Lanes() { return static_cast<std::int64_t>(hn::Lanes(D())); }
 HWY_INLINE std::int64_t Panel() { return 2 * Lanes(); }
-
-// scale log2(e), rounded once: the logits' base change.
-inline float LogitScale(const mha::Problem& p) {
-  return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
-}
 
 // 2^x for x <= 0, -inf or NaN: avx2_exp.h's algorithm (its header gives the derivation).
 // 2^n 2^f, n = round(x), f = x - n exact; 2^f by a degree-7 Taylor polynomial; 2^n built in
@@ -112,16 +110,11 @@ HWY_INLINE V Exp2NonPositive(V x) {
   const hn::RebindToSigned<D> di;
   const V shifter = hn::Set(d, 12583039.0f);  // 1.5 2^23 + 127
   x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -127.0f)), hn::Set(d, -127.0f), x);
-  const V t = hn::Add(x, shifter);              // 1.5 2^23 + n + 127
-  const V f = hn::Sub(x, hn::Sub(t, shifter));  // both exact
-  V p = hn::Set(d, 1.52527338e-5f);             // ln2^k / k! for k = 7 .. 1
-  p = hn::MulAdd(p, f, hn::Set(d, 1.54035304e-4f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.33335581e-3f));
-  p = hn::MulAdd(p, f, hn::Set(d, 9.61812911e-3f));
-  p = hn::MulAdd(p, f, hn::Set(d, 5.55041087e-2f));
-  p = hn::MulAdd(p, f, hn::Set(d, 2.40226507e-1f));
-  p = hn::MulAdd(p, f, hn::Set(d, 6.93147181e-1f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  const V t = hn::Add(x, shifter);                 // 1.5 2^23 + n + 127
+  const V f = hn::Sub(x, hn::Sub(t, shifter));     // both exact
+  V p = hn::Set(d, mha::support::kExp2Taylor[0]);  // ln2^k / k! for k = 7 .. 0
+#pragma GCC unroll 8
+  for (int k = 1; k < 8; ++k) p = hn::MulAdd(p, f, hn::Set(d, mha::support::kExp2Taylor[k]));
   const V scale = hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, t)));  // 2^n, or +0
   return hn::Mul(p, scale);
 }
@@ -318,170 +311,6 @@ inline void FinishRow(const float* acc, float m, float l, std::int64_t visible, 
   *lse = visible == 0 ? NegInf() : mha::support::row_lse_base2(m, l);
 }
 
-// ---- Prefill ----------------------------------------------------------------------------
-
-// The arrays in the caller's workspace, for the largest block (R = g x Br rows, RM = R
-// rounded up to MR: the padding rows of the last group are computed too).
-struct Scratch {
-  std::int64_t dim_p;  // head_dim rounded up to 2N: O's row stride, V panels x 2N
-  float* kp;           // [Bc / 2N][head_dim][2N]: the K tile, packed
-  float* vp;           // [dim_p / 2N][Bc][2N]: the V tile, packed
-  float* qp;           // [RM / MR][head_dim][MR]: the block's Q, packed
-  float* s;            // [RM][Bc]: logits, then weights
-  float* acc;          // [RM][dim_p]: O
-  float* rowmax;       // [RM][N]: lane maxima of the tile's logits
-  float* m;            // [R]: running maxima (base 2)
-  float* l;            // [R]: running sums
-  float* alpha;        // [RM]: this tile's rescale factors
-  std::int64_t* cols;  // [R]: keys of this tile each row sees
-};
-
-// Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (D + Bc +
-// dim_p) floats for Qp, S and O, and 2 Bc dim_p for Kp and Vp, with R dim_p within
-// kBlockFloats.
-inline std::int64_t RowsPerHead(const mha::Problem& p) {
-  const std::int64_t dim_p = round_up(p.head_dim, Panel());
-  return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim_p, 2 * kKeys * dim_p,
-                                            kBlockFloats / dim_p);
-}
-
-inline Scratch CarveScratch(const mha::Problem& p, Carve& carve) {
-  const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = p.q_heads / p.kv_heads * RowsPerHead(p);
-  const std::int64_t padded = round_up(rows, kRows);
-  Scratch s;
-  s.dim_p = round_up(dim, Panel());
-  s.kp = carve.take<float>(kKeys * dim);
-  s.vp = carve.take<float>(s.dim_p * kKeys);
-  s.qp = carve.take<float>(padded * dim);
-  s.s = carve.take<float>(padded * kKeys);
-  s.acc = carve.take<float>(padded * s.dim_p);
-  s.rowmax = carve.take<float>(Lanes() * padded);
-  s.m = carve.take<float>(rows);
-  s.l = carve.take<float>(rows);
-  s.alpha = carve.take<float>(padded);
-  s.cols = carve.take<std::int64_t>(rows);
-  return s;
-}
-
-inline std::int64_t Groups(const Block& block) { return (block.rows + kRows - 1) / kRows; }
-
-inline void StartBlock(const mha::Problem& p, const Block& block, const float* q,
-                       const Scratch& s) {
-  for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-    const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-    const float* qr[kRows];
-    for (int r = 0; r < nr; ++r) qr[r] = block.q_row(p, q, t0 + r);
-    PackQ(qr, nr, p.head_dim, s.qp + t0 * p.head_dim);
-  }
-  const std::int64_t padded = Groups(block) * kRows;
-  std::fill(s.m, s.m + block.rows, NegInf());
-  std::fill(s.l, s.l + block.rows, 0.0f);
-  std::fill(s.alpha, s.alpha + padded, 1.0f);
-  std::fill(s.acc, s.acc + padded * s.dim_p, 0.0f);
-}
-
-// S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1.
-inline void TileLogits(const mha::Problem& p, const Block& block, std::int64_t keys, float c,
-                       const Scratch& s, RowPrefetch& v_ahead) {
-  const std::int64_t n = Lanes(), panel = Panel();
-  std::fill(s.rowmax, s.rowmax + n * Groups(block) * kRows, NegInf());
-  for (std::int64_t j0 = 0; j0 < keys; j0 += panel) {
-    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-      std::int64_t limit[kRows], most = 0;
-      for (int r = 0; r < kRows; ++r) {
-        limit[r] = r < nr ? s.cols[t0 + r] - j0 : 0;  // padding rows see nothing
-        most = std::max(most, limit[r]);
-      }
-      if (most <= 0) continue;  // no row of the group sees this panel
-      LogitsTile(s.qp + t0 * p.head_dim, s.kp + j0 * p.head_dim, p.head_dim, c, limit,
-                 s.s + t0 * kKeys + j0, s.rowmax + n * t0);
-      v_ahead.step();
-    }
-  }
-}
-
-inline void TileSoftmax(const Block& block, const Scratch& s) {
-  const std::int64_t n = Lanes();
-  for (std::int64_t t = 0; t < block.rows; ++t) {
-    s.alpha[t] = 1.0f;
-    if (s.cols[t] > 0) {
-      OnlineSoftmax(s.s + t * kKeys, s.cols[t], s.rowmax + n * t, s.m + t, s.l + t, s.alpha + t);
-    }
-  }
-}
-
-// O = alpha O + P V, V panel by V panel: keys every row of a group sees through the group's
-// microkernel, each row's extra keys (the causal diagonal) through a 1-row pass, so a V row
-// a query row does not see never reaches it. Padding rows take the group's keys too: their
-// O rows are never read.
-inline void TilePv(const Block& block, std::int64_t keys, const Scratch& s, RowPrefetch& k_ahead) {
-  const std::int64_t panel = Panel();
-  for (std::int64_t cp = 0; cp < s.dim_p; cp += panel) {
-    const float* vp = s.vp + (cp / panel) * kKeys * panel;
-    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-      std::int64_t shared = keys, most = 0;
-      bool rescale = false;
-      for (int r = 0; r < nr; ++r) {
-        shared = std::min(shared, s.cols[t0 + r]);
-        most = std::max(most, s.cols[t0 + r]);
-        rescale |= s.alpha[t0 + r] != 1.0f;
-      }
-      if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
-      k_ahead.step();
-      float* o_rows = s.acc + t0 * s.dim_p + cp;
-      PvTile(s.s + t0 * kKeys, shared, vp, rescale ? s.alpha + t0 : nullptr, o_rows, s.dim_p);
-      for (int r = 0; r < nr; ++r) {
-        const std::int64_t extra = s.cols[t0 + r] - shared;
-        if (extra > 0) {
-          PvRow(s.s + (t0 + r) * kKeys + shared, extra, vp + shared * panel, o_rows + r * s.dim_p);
-        }
-      }
-    }
-  }
-}
-
-inline void Prefill(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
-                    float* lse, mha::Workspace ws) {
-  const std::int64_t dim = p.head_dim, panel = Panel();
-  const float c = LogitScale(p);
-  Carve workspace(ws.data);
-  const Scratch s = CarveScratch(p, workspace);
-  mha::support::for_each_block(p, RowsPerHead(p), [&](const Block& block) {
-    StartBlock(p, block, q, s);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
-    const std::int64_t block_keys = block.keys(p);
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
-      const std::int64_t keys = std::min(kKeys, block_keys - c0);
-      const float* k_tile = k_head + c0 * p.k.seq;
-      const float* v_tile = v_head + c0 * p.v.seq;
-      for (std::int64_t t = 0; t < block.rows; ++t)
-        s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
-      // V of this tile arrives during S, K of the next one during P V.
-      const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
-      RowPrefetch v_ahead(v_tile, p.v.seq, keys, dim,
-                          Groups(block) * mha::support::ceil_div(keys, panel));
-      RowPrefetch k_ahead;
-      if (next_keys > 0) {
-        k_ahead = RowPrefetch(k_tile + kKeys * p.k.seq, p.k.seq, next_keys, dim,
-                              Groups(block) * (s.dim_p / panel));
-      }
-      PackK(k_tile, p.k.seq, keys, dim, s.kp);
-      TileLogits(p, block, keys, c, s, v_ahead);
-      TileSoftmax(block, s);
-      PackV(v_tile, p.v.seq, keys, dim, s.vp);
-      TilePv(block, keys, s, k_ahead);
-    }
-    for (std::int64_t t = 0; t < block.rows; ++t) {
-      FinishRow(s.acc + t * s.dim_p, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), dim,
-                block.o_row(p, o, t), block.lse_at(p, lse, t));
-    }
-  });
-}
-
 // ---- Decode -----------------------------------------------------------------------------
 // avx2.cpp's decode_rows in Highway ops: per row, 4 keys' dot products at a time over the
 // full vectors of head_dim (4 accumulators, one q load per 4 K loads), each finished by
@@ -489,29 +318,8 @@ inline void Prefill(const mha::Problem& p, const float* q, const float* k, const
 // accumulator, 4 vectors at a time. Tiles of decode_tile_keys keys, the next tile prefetched
 // into L2 a few rows per dot-product step.
 
-inline bool Decodes(const mha::Problem& p) {
-  return p.q_heads / p.kv_heads * p.q_len < kDecodeRows;
-}
-
 // Keys per decode step of the softmax: a multiple of both N and kDotKeys.
 inline std::int64_t DecodeStep() { return std::max(Lanes(), kDotKeys); }
-
-struct DecodeScratch {
-  std::int64_t tile_keys;  // keys per tile, a multiple of DecodeStep()
-  std::int64_t dim_n;      // head_dim rounded up to N: an accumulator's length
-  float* acc;              // [rows][dim_n]: O
-  float* weights;          // [tile_keys]: one row's logits, then its weights
-};
-
-inline DecodeScratch CarveDecode(const mha::Problem& p, Carve& carve) {
-  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
-  DecodeScratch s;
-  s.tile_keys = mha::support::decode_tile_keys(p, DecodeStep());
-  s.dim_n = round_up(p.head_dim, Lanes());
-  s.acc = carve.take<float>(rows * s.dim_n);
-  s.weights = carve.take<float>(s.tile_keys);
-  return s;
-}
 
 // Rows [0, n) of K and V into L2, every line holding an element of them.
 HWY_INLINE void PrefetchRows(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
@@ -593,95 +401,108 @@ inline void AddWeightedRows(const float* w, std::int64_t cols, const float* v, s
   }
 }
 
-inline void DecodeRows(const mha::Problem& p, const float* q, const float* k, const float* v,
-                       float* o, float* lse, mha::Workspace ws) {
+// Base-2 logits of the row's `cols` keys into w, kDotKeys at a time, a prefetch step after
+// each; returns their max, ignoring NaN logits (a NaN x > max is false).
+template <class Step>
+HWY_INLINE float DecodeLogits(const float* q, const float* k, std::int64_t k_seq, std::int64_t cols,
+                              std::int64_t dim, float c, float* w, const Step& after_step) {
+  for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+    DotKeys(q, k + j0 * k_seq, k_seq, std::min(kDotKeys, cols - j0), dim, c, w + j0);
+    after_step();
+  }
+  float tile_max = NegInf();
+  for (std::int64_t j = 0; j < cols; ++j) {
+    if (w[j] > tile_max) tile_max = w[j];
+  }
+  return tile_max;
+}
+
+// w = 2^(w - shift) over the row's `cols` keys, 0 up to the next multiple of N; their sum.
+HWY_INLINE float DecodeWeights(float* w, std::int64_t cols, float shift) {
   const D d;
-  const std::int64_t dim = p.head_dim, n = Lanes();
-  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
-  Carve workspace(ws.data);
-  const DecodeScratch s = CarveDecode(p, workspace);
-  const std::int64_t tile_keys = s.tile_keys;
-  const float c = LogitScale(p);
-  const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, kDotKeys);
-
-  mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
-    float ms[kDecodeRows], ls[kDecodeRows];
-    std::fill(ms, ms + rows, NegInf());
-    std::fill(ls, ls + rows, 0.0f);
-    std::fill(s.acc, s.acc + rows * s.dim_n, 0.0f);
-    const std::int64_t block_keys = block.keys(p);
-    PrefetchRows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
-
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
-      const std::int64_t keys = std::min(tile_keys, block_keys - c0);
-      const std::int64_t next = std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
-      const float* k_tile = k_head + c0 * p.k.seq;
-      const float* v_tile = v_head + c0 * p.v.seq;
-      const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
-      std::int64_t step = 0;
-      for (std::int64_t t = 0; t < rows; ++t) {
-        const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
-        if (cols == 0) continue;
-        const float* qr = block.q_row(p, q, t);
-        for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-          DotKeys(qr, k_tile + j0 * p.k.seq, p.k.seq, std::min(kDotKeys, cols - j0), dim, c,
-                  s.weights + j0);
-          const std::int64_t first = step++ * rows_per_step;
-          if (const std::int64_t m = std::min(rows_per_step, next - first); m > 0) {
-            PrefetchRows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
-                         v_tile + (tile_keys + first) * p.v.seq, p.v.seq, m, dim);
-          }
-        }
-        // The tile's max, ignoring NaN logits (a NaN x > max is false).
-        float tile_max = NegInf();
-        for (std::int64_t j = 0; j < cols; ++j) {
-          if (s.weights[j] > tile_max) tile_max = s.weights[j];
-        }
-        float alpha = 1.0f;
-        if (tile_max > ms[t]) {
-          alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
-          ms[t] = tile_max;
-        }
-        const V base = hn::Set(d, mha::support::logit_shift(ms[t]));
-        V sum = hn::Zero(d);
-        for (std::int64_t j0 = 0; j0 < cols; j0 += n) {
-          const V e = Exp2NonPositive(hn::Sub(hn::LoadU(d, s.weights + j0), base));
-          const V w = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(cols - j0)), e);
-          hn::StoreU(w, d, s.weights + j0);
-          sum = hn::Add(sum, w);
-        }
-        ls[t] = ls[t] * alpha + hn::GetLane(hn::SumOfLanes(d, sum));
-        AddWeightedRows(s.weights, cols, v_tile, p.v.seq, dim, s.acc + t * s.dim_n, alpha);
-      }
-    }
-    for (std::int64_t t = 0; t < rows; ++t) {
-      FinishRow(s.acc + t * s.dim_n, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
-                block.o_row(p, o, t), block.lse_at(p, lse, t));
-    }
-  });
+  const std::int64_t n = Lanes();
+  const V base = hn::Set(d, shift);
+  V sum = hn::Zero(d);
+  for (std::int64_t j0 = 0; j0 < cols; j0 += n) {
+    const V e = Exp2NonPositive(hn::Sub(hn::LoadU(d, w + j0), base));
+    const V x = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(cols - j0)), e);
+    hn::StoreU(x, d, w + j0);
+    sum = hn::Add(sum, x);
+  }
+  return hn::GetLane(hn::SumOfLanes(d, sum));
 }
 
-// ---- This target's entry points ---------------------------------------------------------
+// ---- The policy of mha/tiled_loops.h, and this target's entry points ----------------------
 
-inline std::size_t Workspace(const mha::Problem& p) {
-  if (Decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { CarveDecode(p, c); });
-  // At least what the largest decode needs, so that the size never shrinks as q_len grows.
-  mha::Problem largest_decode = p;
-  largest_decode.q_heads = p.kv_heads;
-  largest_decode.q_len = kDecodeRows - 1;
-  return std::max(mha::support::workspace_bytes([&](Carve& c) { CarveDecode(largest_decode, c); }),
-                  mha::support::workspace_bytes([&](Carve& c) { CarveScratch(p, c); }));
-}
+struct Ops {
+  static constexpr int kRows = HWY_NAMESPACE::kRows;
+  static constexpr bool kWholeGroups = true;  // MHA_HWY_ROWS: a group computes all MR rows
+  static constexpr std::int64_t kDotKeys = HWY_NAMESPACE::kDotKeys;
+  static std::int64_t lanes() { return Lanes(); }
+  static std::int64_t panel() { return Panel(); }
+  static std::int64_t decode_step() { return DecodeStep(); }
+
+  static void pack_k(const float* k, std::int64_t k_seq, std::int64_t keys, std::int64_t dim,
+                     float* kp) {
+    PackK(k, k_seq, keys, dim, kp);
+  }
+  static void pack_v(const float* v, std::int64_t v_seq, std::int64_t keys, std::int64_t dim,
+                     float* vp) {
+    PackV(v, v_seq, keys, dim, vp);
+  }
+  static void pack_q(const float* const* q, int nr, std::int64_t dim, float* qp) {
+    PackQ(q, nr, dim, qp);
+  }
+  template <int MR>
+  static void logits_tile(const float* qp, const float* kp, std::int64_t dim, float c,
+                          const std::int64_t* limit, float* s, float* rowmax) {
+    static_assert(MR == kRows, "whole groups only");
+    LogitsTile(qp, kp, dim, c, limit, s, rowmax);
+  }
+  // A group's P V (MR = kRows), or one row's keys past its group's (MR = 1, no rescale).
+  template <int MR>
+  static void pv_tile(const float* p, std::int64_t keys, const float* vp, const float* alpha,
+                      float* o, std::int64_t ld_o) {
+    static_assert(MR == kRows || MR == 1, "whole groups or one row");
+    if constexpr (MR == 1) {
+      PvRow(p, keys, vp, o);
+    } else {
+      PvTile(p, keys, vp, alpha, o, ld_o);
+    }
+  }
+  static void online_softmax(float* s, std::int64_t cols, const float* rowmax, float* m, float* l,
+                             float* alpha) {
+    OnlineSoftmax(s, cols, rowmax, m, l, alpha);
+  }
+  static void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
+                         float* o, float* lse) {
+    FinishRow(acc, m, l, visible, dim, o, lse);
+  }
+
+  template <class Step>
+  static HWY_INLINE float decode_logits(const float* q, const float* k, std::int64_t k_seq,
+                                        std::int64_t cols, std::int64_t dim, float c, float* w,
+                                        const Step& after_step) {
+    return DecodeLogits(q, k, k_seq, cols, dim, c, w, after_step);
+  }
+  static HWY_INLINE float decode_weights(float* w, std::int64_t cols, float shift) {
+    return DecodeWeights(w, cols, shift);
+  }
+  static HWY_INLINE void decode_pv(const float* w, std::int64_t cols, const float* v,
+                                   std::int64_t v_seq, std::int64_t dim, float* acc, float alpha) {
+    AddWeightedRows(w, cols, v, v_seq, dim, acc, alpha);
+  }
+  static HWY_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
+                                       std::int64_t v_seq, std::int64_t n, std::int64_t dim) {
+    PrefetchRows(k, k_seq, v, v_seq, n, dim);
+  }
+};
+
+inline std::size_t Workspace(const mha::Problem& p) { return tiled::Loops<Ops>::workspace(p); }
 
 inline void Run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
                 float* lse, mha::Workspace ws) {
-  if (Decodes(p)) {
-    DecodeRows(p, q, k, v, o, lse, ws);
-  } else {
-    Prefill(p, q, k, v, o, lse, ws);
-  }
+  tiled::Loops<Ops>::run(p, q, k, v, o, lse, ws);
 }
 
 #undef MHA_HWY_ROWS

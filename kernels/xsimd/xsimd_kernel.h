@@ -20,6 +20,9 @@
 // Decode (fewer than 16 rows g x q_len per KV head): lanes along head_dim, K and V read in
 // place, W keys' dot products finished together by xsimd::haddp (decode_rows).
 //
+// The loops are mha/tiled_loops.h's, shared with avx2 and highway; Attention<Arch> is their
+// policy (the pieces above marked with a phase's name are its members) and its entry points.
+//
 // Register tiles: MR rows x 2 vectors of accumulators, a broadcast per row and two loads of
 // the streamed panel per step. MR = 6 on 16-register ISAs (AVX2: 12 of 16 registers hold
 // accumulators, 12 FMA chains for 2 ports x 4 cycles), 12 on 32-register ones (AVX-512,
@@ -43,8 +46,8 @@
 // any key count, row count and head_dim, workspace layout, prefetch of the next tile) is
 // avx2.cpp's, with the same reasons and the same contract (mha/attention.h).
 //
-// Depends on mha/attention.h, mha/support.h and xsimd (Debian's libxsimd-dev, header-only)
-// only.
+// Depends on mha/attention.h, mha/support.h, mha/tiled_loops.h and xsimd (Debian's
+// libxsimd-dev, header-only) only.
 //
 // The ISA. xsimd 8 takes its architectures from the compiler's ISA macros (__AVX2__ and the
 // others), so the file that instantiates this header is compiled with its ISA's flags
@@ -55,11 +58,12 @@
 // them first, inside a region compiled for baseline x86-64 (target "no-sse3": SSE2 and
 // nothing above it), and only then xsimd. Their copies are then the baseline code everyone
 // else's are, and can still be inlined into this file's AVX2 code. What is compiled for the
-// ISA is xsimd's code and the members of Attention<Arch>, whose names differ per
-// architecture. A file that includes this header includes it first, and any other header
-// with inline functions inside a baseline region of its own (MHA_XSIMD_BASELINE_BEGIN), but
-// not the declarations of functions it defines: GCC gives a function declared in the region
-// the region's target, even where its definition is outside.
+// ISA is xsimd's code, the members of Attention<Arch> and the loops of mha/tiled_loops.h
+// instantiated for it, whose names differ per architecture. A file that includes this
+// header includes it first, and any other header with inline functions inside a baseline
+// region of its own (MHA_XSIMD_BASELINE_BEGIN), but not the declarations of functions it
+// defines: GCC gives a function declared in the region the region's target, even where its
+// definition is outside.
 //
 // The kernels written with intrinsics do the opposite: no flags, and a target region around
 // their own code (MHA_TARGET_BEGIN). Not here: xsimd's arithmetic operators are hidden
@@ -116,6 +120,9 @@ MHA_XSIMD_BASELINE_END
 
 namespace mha::xsimd_kernel {
 
+#include "mha/tiled_loops.h"  // the loops: inside this namespace, after xsimd (see above)
+
+// The policy of mha/tiled_loops.h for one xsimd architecture, and its entry points.
 template <class Arch>
 struct Attention {
   using Batch = xsimd::batch<float, Arch>;
@@ -128,13 +135,16 @@ struct Attention {
   static constexpr int kPanel = 2 * kWidth;  // keys per K panel = columns per V panel
   // MR: query rows per microkernel group; 32 vector registers on AVX-512 and AArch64.
   static constexpr int kRows = kWidth == 8 ? 6 : 12;
-  static constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, S's row stride
-  static constexpr std::int64_t kBlockFloats = 131072;  // R x D rounded to 2W at most this
-  static constexpr std::int64_t kDecodeRows = 16;       // rows per KV head below which decode
-  static constexpr std::int64_t kDotKeys = kWidth;      // keys per dot_keys call (one haddp)
-  static constexpr int kDotVectors = 4;                 // q vectors in registers in dot_keys
-  static constexpr int kPvVectors = 8;                  // O vectors per add_weighted_rows call
+  static constexpr bool kWholeGroups = false;          // microkernels for 1 .. MR rows
+  static constexpr std::int64_t kKeys = tiled::kKeys;  // Bc: keys per KV tile, S's row stride
+  static constexpr std::int64_t kDotKeys = kWidth;     // keys per dot_keys call (one haddp)
+  static constexpr int kDotVectors = 4;                // q vectors in registers in dot_keys
+  static constexpr int kPvVectors = 8;                 // O vectors per add_weighted_rows call
   static_assert(kKeys % kPanel == 0 && kWidth <= 64);
+
+  static constexpr std::int64_t lanes() { return kWidth; }
+  static constexpr std::int64_t panel() { return kPanel; }
+  static constexpr std::int64_t decode_step() { return kDotKeys; }
 
   static float neg_inf() { return -std::numeric_limits<float>::infinity(); }
 
@@ -146,11 +156,6 @@ struct Attention {
     if constexpr (std::is_same_v<Arch, xsimd::avx512f>) return Batch(_mm512_fmadd_ps(a, b, c));
 #endif
     return xsimd::fma(a, b, c);
-  }
-
-  // scale log2(e), rounded once: the logits' base change.
-  static float logit_scale_of(const mha::Problem& p) {
-    return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
   }
 
   // Lanes [0, n) of a vector (none for n <= 0, all for n >= W), as a float lane mask.
@@ -197,16 +202,11 @@ struct Attention {
   static Batch exp2_nonpositive(Batch x) {
     const Batch shifter(12583039.0f);  // 1.5 2^23 + 127
     x = xsimd::select(x < Batch(-127.0f), Batch(-127.0f), x);
-    const Batch t = x + shifter;        // 1.5 2^23 + n + 127, n = round(x)
-    const Batch f = x - (t - shifter);  // both exact
-    Batch p(1.52527338e-5f);            // ln2^k / k! for k = 7 .. 1, rounded to float
-    p = fused(p, f, Batch(1.54035304e-4f));
-    p = fused(p, f, Batch(1.33335581e-3f));
-    p = fused(p, f, Batch(9.61812911e-3f));
-    p = fused(p, f, Batch(5.55041087e-2f));
-    p = fused(p, f, Batch(2.40226507e-1f));
-    p = fused(p, f, Batch(6.93147181e-1f));
-    p = fused(p, f, Batch(1.0f));
+    const Batch t = x + shifter;            // 1.5 2^23 + n + 127, n = round(x)
+    const Batch f = x - (t - shifter);      // both exact
+    Batch p(mha::support::kExp2Taylor[0]);  // ln2^k / k! for k = 7 .. 0
+#pragma GCC unroll 8
+    for (int k = 1; k < 8; ++k) p = fused(p, f, Batch(mha::support::kExp2Taylor[k]));
     const Ints field = xsimd::bitwise_cast<Ints>(t) << 23;  // 2^n, or +0 for n = -127
     return p * xsimd::bitwise_cast<Batch>(field);
   }
@@ -356,182 +356,12 @@ struct Attention {
     *lse = visible == 0 ? neg_inf() : mha::support::row_lse_base2(m, l);
   }
 
-  // ---- Prefill ------------------------------------------------------------------------
-
-  // The arrays in the caller's workspace, sized for the largest block (R = g x Br rows,
-  // RM = R rounded up to MR; every array holds whole vectors and starts on 64 bytes).
-  struct Scratch {
-    std::int64_t dim_p;  // head_dim rounded up to 2W: O's row stride, V panels x 2W
-    float* kp;           // [Bc / 2W][head_dim][2W]: the K tile, packed
-    float* vp;           // [dim_p / 2W][Bc][2W]: the V tile, packed
-    float* qp;           // [RM / MR][head_dim][MR]: the block's Q, packed
-    float* s;            // [R][Bc]: logits, then weights
-    float* acc;          // [R][dim_p]: O
-    float* rowmax;       // [R][W]: lane maxima of the tile's logits
-    float* m;            // [R]: running maxima (base 2)
-    float* l;            // [R]: running sums
-    float* alpha;        // [R]: this tile's rescale factors
-    std::int64_t* cols;  // [R]: keys of this tile each row sees
-  };
-
-  // Br: mha::support::packed_rows_per_head's rule over this kernel's scratch, R (D + Bc +
-  // dim_p) floats for Qp, S and O, and 2 Bc dim_p for Kp and Vp, with R dim_p within
-  // kBlockFloats.
-  static std::int64_t rows_per_head(const mha::Problem& p) {
-    const std::int64_t dim_p = mha::support::round_up(p.head_dim, kPanel);
-    return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim_p, 2 * kKeys * dim_p,
-                                              kBlockFloats / dim_p);
-  }
-
-  static Scratch carve(const mha::Problem& p, Carve& carve) {
-    const std::int64_t dim = p.head_dim;
-    const std::int64_t rows = p.q_heads / p.kv_heads * rows_per_head(p);
-    Scratch s;
-    s.dim_p = mha::support::round_up(dim, kPanel);
-    s.kp = carve.take<float>(kKeys * dim);
-    s.vp = carve.take<float>(s.dim_p * kKeys);
-    s.qp = carve.take<float>(mha::support::round_up(rows, kRows) * dim);
-    s.s = carve.take<float>(rows * kKeys);
-    s.acc = carve.take<float>(rows * s.dim_p);
-    s.rowmax = carve.take<float>(kWidth * rows);
-    s.m = carve.take<float>(rows);
-    s.l = carve.take<float>(rows);
-    s.alpha = carve.take<float>(rows);
-    s.cols = carve.take<std::int64_t>(rows);
-    return s;
-  }
-
-  static std::int64_t groups(const Block& block) { return (block.rows + kRows - 1) / kRows; }
-
-  static void start_block(const mha::Problem& p, const Block& block, const float* q,
-                          const Scratch& s) {
-    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-      const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-      const float* qr[kRows];
-      for (int r = 0; r < nr; ++r) qr[r] = block.q_row(p, q, t0 + r);
-      pack_q(qr, nr, p.head_dim, s.qp + t0 * p.head_dim);
-    }
-    std::fill(s.m, s.m + block.rows, neg_inf());
-    std::fill(s.l, s.l + block.rows, 0.0f);
-    std::fill(s.acc, s.acc + block.rows * s.dim_p, 0.0f);
-  }
-
-  // S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1.
-  static void tile_logits(const mha::Problem& p, const Block& block, std::int64_t keys, float c,
-                          const Scratch& s, RowPrefetch& v_ahead) {
-    std::fill(s.rowmax, s.rowmax + kWidth * block.rows, neg_inf());
-    for (std::int64_t j0 = 0; j0 < keys; j0 += kPanel) {
-      for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-        const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-        std::int64_t limit[kRows], most = 0;
-        for (int r = 0; r < nr; ++r) {
-          limit[r] = s.cols[t0 + r] - j0;
-          most = std::max(most, limit[r]);
-        }
-        if (most <= 0) continue;  // no row of the group sees this panel
-        mha::support::with_count<kRows>(nr, [&](auto rows) {
-          logits_tile<decltype(rows)::value>(s.qp + t0 * p.head_dim, s.kp + j0 * p.head_dim,
-                                             p.head_dim, c, limit, s.s + t0 * kKeys + j0,
-                                             s.rowmax + kWidth * t0);
-        });
-        v_ahead.step();
-      }
-    }
-  }
-
-  static void tile_softmax(const Block& block, const Scratch& s) {
-    for (std::int64_t t = 0; t < block.rows; ++t) {
-      s.alpha[t] = 1.0f;
-      if (s.cols[t] > 0) {
-        online_softmax(s.s + t * kKeys, s.cols[t], s.rowmax + kWidth * t, s.m + t, s.l + t,
-                       s.alpha + t);
-      }
-    }
-  }
-
-  // O = alpha O + P V, V panel by V panel: keys every row of a group sees through the
-  // group's microkernel, each row's extra keys (the causal diagonal) through a 1-row pass,
-  // so a V row a query row does not see never reaches it.
-  static void tile_pv(const Block& block, std::int64_t keys, const Scratch& s,
-                      RowPrefetch& k_ahead) {
-    for (std::int64_t cp = 0; cp < s.dim_p; cp += kPanel) {
-      const float* panel = s.vp + (cp / kPanel) * kKeys * kPanel;
-      for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
-        const int nr = static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
-        std::int64_t shared = keys, most = 0;
-        bool rescale = false;  // none once the group's maxima have settled
-        for (int r = 0; r < nr; ++r) {
-          shared = std::min(shared, s.cols[t0 + r]);
-          most = std::max(most, s.cols[t0 + r]);
-          rescale |= s.alpha[t0 + r] != 1.0f;
-        }
-        if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
-        k_ahead.step();
-        float* o_rows = s.acc + t0 * s.dim_p + cp;
-        mha::support::with_count<kRows>(nr, [&](auto rows) {
-          pv_tile<decltype(rows)::value>(s.s + t0 * kKeys, shared, panel,
-                                         rescale ? s.alpha + t0 : nullptr, o_rows, s.dim_p);
-        });
-        for (int r = 0; r < nr; ++r) {
-          const std::int64_t extra = s.cols[t0 + r] - shared;
-          if (extra > 0) {
-            pv_tile<1>(s.s + (t0 + r) * kKeys + shared, extra, panel + shared * kPanel, nullptr,
-                       o_rows + r * s.dim_p, s.dim_p);
-          }
-        }
-      }
-    }
-  }
-
-  static void prefill(const mha::Problem& p, const float* q, const float* k, const float* v,
-                      float* o, float* lse, mha::Workspace ws) {
-    const std::int64_t dim = p.head_dim;
-    const float c = logit_scale_of(p);
-    Carve workspace(ws.data);
-    const Scratch s = carve(p, workspace);
-    mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
-      start_block(p, block, q, s);
-      const float* k_head = block.k_head(p, k);
-      const float* v_head = block.v_head(p, v);
-      const std::int64_t block_keys = block.keys(p);
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
-        const std::int64_t keys = std::min(kKeys, block_keys - c0);
-        const float* k_tile = k_head + c0 * p.k.seq;
-        const float* v_tile = v_head + c0 * p.v.seq;
-        for (std::int64_t t = 0; t < block.rows; ++t)
-          s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
-        // V of this tile arrives during S, K of the next one during P V.
-        const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
-        RowPrefetch v_ahead(v_tile, p.v.seq, keys, dim,
-                            groups(block) * mha::support::ceil_div(keys, kPanel));
-        RowPrefetch k_ahead;
-        if (next_keys > 0) {
-          k_ahead = RowPrefetch(k_tile + kKeys * p.k.seq, p.k.seq, next_keys, dim,
-                                groups(block) * (s.dim_p / kPanel));
-        }
-        pack_k(k_tile, p.k.seq, keys, dim, s.kp);
-        tile_logits(p, block, keys, c, s, v_ahead);
-        tile_softmax(block, s);
-        pack_v(v_tile, p.v.seq, keys, dim, s.vp);
-        tile_pv(block, keys, s, k_ahead);
-      }
-      for (std::int64_t t = 0; t < block.rows; ++t) {
-        finish_row(s.acc + t * s.dim_p, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), dim,
-                   block.o_row(p, o, t), block.lse_at(p, lse, t));
-      }
-    });
-  }
-
   // ---- Decode -------------------------------------------------------------------------
   // avx2.cpp's decode_rows (its comment gives the measurements): per row, W keys' dot
   // products accumulate in W vectors over slices of 4 q vectors kept in registers and are
   // finished by one haddp; P V adds weight x V row into the row's accumulator, 8 vectors at
   // a time. Tiles of decode_tile_keys keys, the next tile prefetched into L2 a few rows per
   // dot_keys call.
-
-  static bool decodes(const mha::Problem& p) {
-    return p.q_heads / p.kv_heads * p.q_len < kDecodeRows;
-  }
 
   // xsimd 8's haddp for avx512f returns lane i of the sums in lane pi(i), pi swapping lanes
   // 2, 3 with 4, 5 in each half (it gives 0 1 4 5 2 3 6 7 8 9 12 13 10 11 14 15): dot_keys
@@ -600,9 +430,9 @@ struct Attention {
 
   // Rows [0, n) of K and V into L2, every line holding an element of them. Inlined: called
   // out of line from the S loop, the call would clobber every vector register (avx2.cpp).
-  __attribute__((always_inline)) static void prefetch_rows(const float* k, std::int64_t k_seq,
-                                                           const float* v, std::int64_t v_seq,
-                                                           std::int64_t n, std::int64_t dim) {
+  static MHA_ALWAYS_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
+                                              std::int64_t v_seq, std::int64_t n,
+                                              std::int64_t dim) {
     for (std::int64_t i = 0; i < n; ++i) {
       const float* k_row = k + i * k_seq;
       const float* v_row = v + i * v_seq;
@@ -615,127 +445,69 @@ struct Attention {
     }
   }
 
-  struct DecodeScratch {
-    std::int64_t tile_keys;  // keys per tile, a multiple of kDotKeys
-    std::int64_t dim_w;      // head_dim rounded up to W: an accumulator's length
-    float* acc;              // [rows][dim_w]: O
-    float* weights;          // [tile_keys]: one row's logits, then its weights
-  };
-
-  static DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
-    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
-    DecodeScratch s;
-    s.tile_keys = mha::support::decode_tile_keys(p, kDotKeys);
-    s.dim_w = mha::support::round_up(p.head_dim, kWidth);
-    s.acc = carve.take<float>(rows * s.dim_w);
-    s.weights = carve.take<float>(s.tile_keys);
-    return s;
+  // Base-2 logits of the row's `cols` keys, W at a time (decode_logits, mha/tiled_loops.h).
+  template <class Step>
+  static MHA_ALWAYS_INLINE float decode_logits(const float* q, const float* k, std::int64_t k_seq,
+                                               std::int64_t cols, std::int64_t dim, float c,
+                                               float* w, const Step& after_step) {
+    const Batch logit_scale(c);
+    Batch mv(neg_inf());
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+      const std::int64_t nk = std::min(kDotKeys, cols - j0);
+      const float* key0 = k + j0 * k_seq;
+      // Whole steps at a call site of their own, which GCC inlines (through with_count, with
+      // xsimd-avx512's 16 counts, it called dot_keys<16> out of line).
+      Batch dots;
+      if (nk == kDotKeys) {
+        dots = dot_keys<kDotKeys>(q, key0, k_seq, dim);
+      } else {
+        mha::support::with_count<kDotKeys - 1>(
+            nk, [&](auto count) { dots = dot_keys<decltype(count)::value>(q, key0, k_seq, dim); });
+      }
+      after_step();
+      const Batch x = dots * logit_scale;
+      x.store_aligned(w + j0);
+      // Lanes past nk keep mv, and so does a NaN x.
+      mv = xsimd::select(first_lanes(nk) & (x > mv), x, mv);
+    }
+    return max_lanes(mv);  // no lane of mv is NaN
   }
 
-  static void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v,
-                          float* o, float* lse, mha::Workspace ws) {
-    const std::int64_t dim = p.head_dim;
-    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
-    Carve workspace(ws.data);
-    const DecodeScratch s = carve_decode(p, workspace);
-    const std::int64_t tile_keys = s.tile_keys;
-    const Batch logit_scale(logit_scale_of(p));
-    const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, kDotKeys);
+  static MHA_ALWAYS_INLINE float decode_weights(float* w, std::int64_t cols, float shift) {
+    const Batch base(shift);
+    Batch sum(0.0f);
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+      const Batch e = exp2_nonpositive(Batch::load_aligned(w + j0) - base);
+      const Batch x = xsimd::select(first_lanes(cols - j0), e, Batch(0.0f));
+      x.store_aligned(w + j0);
+      sum += x;
+    }
+    return xsimd::hadd(sum);
+  }
 
-    mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
-      const float* k_head = block.k_head(p, k);
-      const float* v_head = block.v_head(p, v);
-      float ms[kDecodeRows], ls[kDecodeRows];
-      std::fill(ms, ms + rows, neg_inf());
-      std::fill(ls, ls + rows, 0.0f);
-      std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
-      const std::int64_t block_keys = block.keys(p);
-      prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
-
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
-        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
-        const std::int64_t next =
-            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
-        const float* k_tile = k_head + c0 * p.k.seq;
-        const float* v_tile = v_head + c0 * p.v.seq;
-        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
-        std::int64_t step = 0;
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
-          if (cols == 0) continue;
-          const float* qr = block.q_row(p, q, t);
-          Batch mv(neg_inf());
-          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-            const std::int64_t nk = std::min(kDotKeys, cols - j0);
-            const float* key0 = k_tile + j0 * p.k.seq;
-            Batch dots;
-            mha::support::with_count<kDotKeys>(nk, [&](auto count) {
-              dots = dot_keys<decltype(count)::value>(qr, key0, p.k.seq, dim);
-            });
-            const std::int64_t first = step++ * rows_per_step;
-            if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
-              prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
-                            v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
-            }
-            const Batch x = dots * logit_scale;
-            x.store_aligned(s.weights + j0);
-            // Lanes past nk keep mv, and so does a NaN x.
-            mv = xsimd::select(first_lanes(nk) & (x > mv), x, mv);
-          }
-          const float tile_max = max_lanes(mv);  // no lane of mv is NaN
-          float alpha = 1.0f;
-          if (tile_max > ms[t]) {
-            alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
-            ms[t] = tile_max;
-          }
-          const Batch base(mha::support::logit_shift(ms[t]));
-          Batch sum(0.0f);
-          for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
-            const Batch e = exp2_nonpositive(Batch::load_aligned(s.weights + j0) - base);
-            const Batch w = xsimd::select(first_lanes(cols - j0), e, Batch(0.0f));
-            w.store_aligned(s.weights + j0);
-            sum += w;
-          }
-          ls[t] = ls[t] * alpha + xsimd::hadd(sum);
-          float* acc = s.acc + t * s.dim_w;
-          for (std::int64_t d0 = 0; d0 < dim; d0 += kPvVectors * kWidth) {
-            const std::int64_t n = std::min<std::int64_t>(kPvVectors * kWidth, dim - d0);
-            mha::support::with_count<kPvVectors>(
-                mha::support::ceil_div(n, kWidth), [&](auto vectors) {
-                  constexpr int kVectors = decltype(vectors)::value;
-                  add_weighted_rows<kVectors>(s.weights, cols, v_tile + d0, p.v.seq,
-                                              n - kWidth * (kVectors - 1), acc + d0, alpha);
-                });
-          }
-        }
-      }
-      for (std::int64_t t = 0; t < rows; ++t) {
-        finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
-                   block.o_row(p, o, t), block.lse_at(p, lse, t));
-      }
-    });
+  // O = alpha O + P V over the row's keys, kPvVectors vectors of head_dim at a time.
+  static MHA_ALWAYS_INLINE void decode_pv(const float* w, std::int64_t cols, const float* v,
+                                          std::int64_t v_seq, std::int64_t dim, float* acc,
+                                          float alpha) {
+    for (std::int64_t d0 = 0; d0 < dim; d0 += kPvVectors * kWidth) {
+      const std::int64_t n = std::min<std::int64_t>(kPvVectors * kWidth, dim - d0);
+      mha::support::with_count<kPvVectors>(mha::support::ceil_div(n, kWidth), [&](auto vectors) {
+        constexpr int kVectors = decltype(vectors)::value;
+        add_weighted_rows<kVectors>(w, cols, v + d0, v_seq, n - kWidth * (kVectors - 1), acc + d0,
+                                    alpha);
+      });
+    }
   }
 
   // ---- Entry points -------------------------------------------------------------------
 
   static std::size_t workspace(const mha::Problem& p) {
-    if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
-    // At least what the largest decode needs, so that the size never shrinks as q_len grows.
-    mha::Problem largest_decode = p;
-    largest_decode.q_heads = p.kv_heads;
-    largest_decode.q_len = kDecodeRows - 1;
-    return std::max(
-        mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
-        mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
+    return tiled::Loops<Attention>::workspace(p);
   }
 
   static void run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
                   float* lse, mha::Workspace ws) {
-    if (decodes(p)) {
-      decode_rows(p, q, k, v, o, lse, ws);
-    } else {
-      prefill(p, q, k, v, o, lse, ws);
-    }
+    tiled::Loops<Attention>::run(p, q, k, v, o, lse, ws);
   }
 };
 

@@ -1,0 +1,423 @@
+// mha/tiled_loops.h: the loops of the tiled attention kernels that pack every KV tile (avx2,
+// the xsimd kernels, the highway kernels), so that each of them holds only its ISA's pieces:
+// a policy that packs, runs the two microkernels, takes one row's online-softmax step and one
+// decode row's steps. The algorithm is kernels/avx2/avx2.cpp's header (read that first); the
+// loops, the tiling rule, the packing order, the prefetch and the workspace layout are here,
+// once, as gemm_loops.h holds the GEMMs' (BLIS-style: loops around a microkernel).
+//
+//   for each (batch, KV head, block of R = g x Br query rows, head-major: row t is head
+//            t / Br, query row r0 + t % Br; all g heads share every KV tile):  for_each_block
+//     pack Q: each group of MR rows into Qp[d][MR]; m, l, O empty        start_block
+//     for each KV tile of Bc = kKeys keys some row of the block sees:
+//       pack K^T into panels Kp[panel][d][P]                             K::pack_k
+//       S = scale log2(e) Q K^T, K panel by K panel, each panel reused   tile_logits,
+//         by every group from L1                                         K::logits_tile<MR>
+//       online softmax in base 2 per row                                 K::online_softmax
+//       pack V into column panels Vp[panel][key][P]                      K::pack_v
+//       O = alpha O + P V, V panel by V panel                            tile_pv, K::pv_tile<MR>
+//     o = O / l, lse = (m + log2 l) ln2                                  K::finish_row
+//
+//   decode (fewer than kDecodeRows rows g x q_len per KV head; lanes along head_dim, K and V
+//   read in place):
+//   for each (batch, KV head): its g x q_len rows, O = 0                 decode_rows
+//     for each tile of support::decode_tile_keys keys, the next one prefetched:
+//       for each row that sees a key of the tile:
+//         S, a few keys at a time, a prefetch step after each            K::decode_logits
+//         online softmax, base 2: m, alpha, P = 2^(S - m), l             K::decode_weights
+//         O = alpha O + P V                                              K::decode_pv
+//     o = O / l, lse = (m + log2 l) ln2                                  K::finish_row
+//
+// The policy K (P = K::panel() keys per K panel and columns per V panel, W = K::lanes()):
+//   kRows                  MR, query rows per microkernel group
+//   kWholeGroups           true: the microkernels always compute MR rows (the last group's
+//                          padding rows are computed and never read), so they are called
+//                          with MR = kRows and MR = 1 only, and the scratch rows are padded
+//                          to a multiple of MR; false: called with the group's row count
+//   lanes(), panel()       W, the lanes of a row's running max, and P (a multiple of W);
+//                          constant expressions or, on SVE, run-time values
+//   pack_k(k, k_seq, keys, dim, kp)      kp[j / P][d][j % P] = k[j][d], 0 past `keys`,
+//                                        over keys rounded up to P
+//   pack_v(v, v_seq, keys, dim, vp)      vp[c / P][j][c % P] = v[j][c], panel stride kKeys P,
+//                                        0 past dim up to dim rounded up to P
+//   pack_q(rows, nr, dim, qp)            qp[d][r] = rows[r][d] for r < nr, 0 up to MR
+//   logits_tile<MR>(qp, kp, dim, c, limit, s, rowmax)
+//                          s[r][0 .. P) = c sum_d qp[d][r] kp[d][0 .. P), -inf for lanes at
+//                          or past limit[r]; rowmax[r][0 .. W) takes the lane maxima,
+//                          ignoring NaN. Row stride of s: kKeys; of rowmax: W
+//   pv_tile<MR>(p, keys, vp, alpha, o, ld_o)
+//                          o[r][0 .. P) = alpha[r] o[r] + sum_{j < keys} p[r][j] vp[j][0 .. P)
+//                          (alpha null: no rescale). Row stride of p: kKeys
+//   online_softmax(s, cols, rowmax, m, l, alpha)  one row's step over its `cols` >= 1 logits,
+//                          lanes up to the next multiple of W past cols being -inf
+//   finish_row(acc, m, l, visible, dim, o, lse)   o = acc / l and lse, or 0 and -inf when
+//                          the row sees no key
+//   kDotKeys, decode_step()  keys per decode_logits step (one prefetch step each), and the
+//                          multiple of keys a decode tile holds (a multiple of both W and it)
+//   decode_logits(q, k, k_seq, cols, dim, c, w, after_step)  w[j] = c q . k_j for j < cols,
+//                          calling after_step() once per kDotKeys keys; returns the max of
+//                          w ignoring NaN (-inf if all are NaN). w's lanes past cols, up to
+//                          the next multiple of decode_step(), may be written
+//   decode_weights(w, cols, shift)  w[j] = 2^(w[j] - shift) for j < cols, 0 up to the next
+//                          multiple of W; returns their sum
+//   decode_pv(w, cols, v, v_seq, dim, acc, alpha)  acc = alpha acc + sum_{j < cols} w[j] v_j
+//                          over dim columns (acc's length: dim rounded up to W)
+//   prefetch_rows(k, k_seq, v, v_seq, n, dim)  rows [0, n) of K and V into L2, every line
+//                          holding an element of them
+//
+// Not avx512 or neon: their loops differ, not only their pieces. avx512 is transposed (query
+// rows along the lanes, 32-row strips, K and V copied to an odd-cache-line stride instead of
+// packed into panels, a masked second pass over the causal diagonal); neon is blocked's
+// algorithm (a natural-log softmax, support::flash_tiling's blocks of at most 64 rows per
+// head, only K^T packed, V read in place, decode below 8 rows).
+//
+// The pieces decode calls per row are inlined into one function (MHA_ALWAYS_INLINE in the
+// policy): with the S loop, the prefetch step and P V in one register allocation, as
+// avx2.cpp measured.
+//
+// How to include it. The loops are templates compiled for the ISA of the code they are
+// defined in, so a kernel includes this header where its own ISA code is: inside its target
+// region (MHA_TARGET_BEGIN; highway: between HWY_BEFORE_NAMESPACE and HWY_AFTER_NAMESPACE;
+// xsimd: after xsimd, in a file built with its ISA's flags) and inside its own namespace,
+// once per ISA (Highway re-includes its -inl.h per target), after the standard headers below
+// and mha/support.h. So this header has no include guard, includes nothing and defines
+// nothing but templates and constants in the includer's namespace: no symbol it makes can be
+// merged with another ISA's (cmake/isa.cmake). Uses <algorithm>, <cmath>, <cstddef>,
+// <cstdint>, <limits>, mha/attention.h and mha/support.h.
+
+namespace tiled {
+
+constexpr std::int64_t kKeys = 128;            // Bc: keys per KV tile, S's row stride
+constexpr std::int64_t kBlockFloats = 131072;  // R x D rounded up to P at most this (512 KiB)
+constexpr std::int64_t kDecodeRows = 16;       // rows per KV head below which a problem decodes
+
+template <class K>
+struct Loops {
+  using Block = mha::support::Block;
+  using Carve = mha::support::Carve;
+  using RowPrefetch = mha::support::RowPrefetch;
+  static constexpr int kRows = K::kRows;
+
+  static float neg_inf() { return -std::numeric_limits<float>::infinity(); }
+
+  // scale log2(e), rounded once: the logits' base change (the tolerance's rounded log2(e)).
+  static float logit_scale(const mha::Problem& p) {
+    return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
+  }
+
+  // ---- Prefill ------------------------------------------------------------------------
+
+  // The arrays in the caller's workspace, sized for the largest block (R = g x Br rows; RM
+  // = R rounded up to MR, the rows of the microkernels' arrays, R where groups may be
+  // partial; each array starts on 64 bytes).
+  struct Scratch {
+    std::int64_t dim_p;  // head_dim rounded up to P: O's row stride, V panels x P
+    float* kp;           // [Bc / P][head_dim][P]: the K tile, packed
+    float* vp;           // [dim_p / P][Bc][P]: the V tile, packed
+    float* qp;           // [RM / MR][head_dim][MR]: the block's Q, packed
+    float* s;            // [RM][Bc]: logits, then weights
+    float* acc;          // [RM][dim_p]: O
+    float* rowmax;       // [RM][W]: lane maxima of the tile's logits
+    float* m;            // [R]: running maxima (base 2)
+    float* l;            // [R]: running sums
+    float* alpha;        // [RM]: this tile's rescale factors
+    std::int64_t* cols;  // [R]: keys of this tile each row sees
+  };
+
+  // Br: mha::support::packed_rows_per_head's rule (its comment gives the rule and its
+  // measurements) over this scratch: R (D + Bc + dim_p) floats for Qp, S and O, 2 Bc dim_p
+  // for Kp and Vp, and R dim_p within kBlockFloats, so that only heads wider than 256 get
+  // fewer than 512 rows (R = 32 at D = 4096).
+  static std::int64_t rows_per_head(const mha::Problem& p) {
+    const std::int64_t dim_p = mha::support::round_up(p.head_dim, K::panel());
+    return mha::support::packed_rows_per_head(p, p.head_dim + kKeys + dim_p, 2 * kKeys * dim_p,
+                                              kBlockFloats / dim_p);
+  }
+
+  static std::int64_t padded_rows(std::int64_t rows) {
+    return K::kWholeGroups ? mha::support::round_up(rows, kRows) : rows;
+  }
+
+  static Scratch carve(const mha::Problem& p, Carve& carve) {
+    const std::int64_t dim = p.head_dim;
+    const std::int64_t rows = p.q_heads / p.kv_heads * rows_per_head(p);
+    const std::int64_t padded = padded_rows(rows);
+    Scratch s;
+    s.dim_p = mha::support::round_up(dim, K::panel());
+    s.kp = carve.take<float>(kKeys * dim);
+    s.vp = carve.take<float>(s.dim_p * kKeys);
+    s.qp = carve.take<float>(mha::support::round_up(rows, kRows) * dim);
+    s.s = carve.take<float>(padded * kKeys);
+    s.acc = carve.take<float>(padded * s.dim_p);
+    s.rowmax = carve.take<float>(K::lanes() * padded);
+    s.m = carve.take<float>(rows);
+    s.l = carve.take<float>(rows);
+    s.alpha = carve.take<float>(padded);
+    s.cols = carve.take<std::int64_t>(rows);
+    return s;
+  }
+
+  // The number of the block's microkernel groups of MR rows, and the rows of a group.
+  static std::int64_t groups(const Block& block) { return (block.rows + kRows - 1) / kRows; }
+  static int group_rows(const Block& block, std::int64_t t0) {
+    return static_cast<int>(std::min<std::int64_t>(kRows, block.rows - t0));
+  }
+
+  // Qp for every group of MR block rows; m, l and O start empty.
+  static void start_block(const mha::Problem& p, const Block& block, const float* q,
+                          const Scratch& s) {
+    for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+      const int nr = group_rows(block, t0);
+      const float* qr[kRows];
+      for (int r = 0; r < nr; ++r) qr[r] = block.q_row(p, q, t0 + r);
+      K::pack_q(qr, nr, p.head_dim, s.qp + t0 * p.head_dim);
+    }
+    const std::int64_t padded = padded_rows(block.rows);
+    std::fill(s.m, s.m + block.rows, neg_inf());
+    std::fill(s.l, s.l + block.rows, 0.0f);
+    std::fill(s.alpha, s.alpha + padded, 1.0f);  // padding rows: never rescaled
+    std::fill(s.acc, s.acc + padded * s.dim_p, 0.0f);
+  }
+
+  // S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1;
+  // rowmax takes each row's lane maxima. Steps v_ahead once per microkernel call.
+  static void tile_logits(const mha::Problem& p, const Block& block, std::int64_t keys, float c,
+                          const Scratch& s, RowPrefetch& v_ahead) {
+    const std::int64_t panel = K::panel(), lanes = K::lanes();
+    std::fill(s.rowmax, s.rowmax + lanes * padded_rows(block.rows), neg_inf());
+    for (std::int64_t j0 = 0; j0 < keys; j0 += panel) {
+      for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+        const int nr = group_rows(block, t0);
+        std::int64_t limit[kRows], most = 0;
+        for (int r = 0; r < kRows; ++r) {
+          limit[r] = r < nr ? s.cols[t0 + r] - j0 : 0;  // padding rows see nothing
+          most = std::max(most, limit[r]);
+        }
+        if (most <= 0) continue;  // no row of the group sees this panel
+        const float* qp = s.qp + t0 * p.head_dim;
+        const float* kp = s.kp + j0 * p.head_dim;
+        float* s_rows = s.s + t0 * kKeys + j0;
+        float* rowmax = s.rowmax + lanes * t0;
+        if constexpr (K::kWholeGroups) {
+          K::template logits_tile<kRows>(qp, kp, p.head_dim, c, limit, s_rows, rowmax);
+        } else {
+          mha::support::with_count<kRows>(nr, [&](auto rows) {
+            K::template logits_tile<decltype(rows)::value>(qp, kp, p.head_dim, c, limit, s_rows,
+                                                           rowmax);
+          });
+        }
+        v_ahead.step();
+      }
+    }
+  }
+
+  // The online-softmax step of every row: S becomes the weights P, alpha the rescale factor.
+  static void tile_softmax(const Block& block, const Scratch& s) {
+    const std::int64_t lanes = K::lanes();
+    for (std::int64_t t = 0; t < block.rows; ++t) {
+      s.alpha[t] = 1.0f;
+      if (s.cols[t] > 0) {
+        K::online_softmax(s.s + t * kKeys, s.cols[t], s.rowmax + lanes * t, s.m + t, s.l + t,
+                          s.alpha + t);
+      }
+    }
+  }
+
+  // O = alpha O + P V, V panel by V panel, each reused by every group from L1: keys every row
+  // of a group sees through the group's microkernel, each row's extra keys (the causal
+  // diagonal) through a 1-row pass, so that NaN or Inf in a V row a query row does not see
+  // never reaches it (not even as 0 x Inf). Steps k_ahead once per group.
+  static void tile_pv(const Block& block, std::int64_t keys, const Scratch& s,
+                      RowPrefetch& k_ahead) {
+    const std::int64_t panel = K::panel();
+    for (std::int64_t cp = 0; cp < s.dim_p; cp += panel) {
+      const float* vp = s.vp + (cp / panel) * kKeys * panel;
+      for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
+        const int nr = group_rows(block, t0);
+        std::int64_t shared = keys, most = 0;
+        bool rescale = false;  // none once the group's maxima have settled (every alpha 1)
+        for (int r = 0; r < nr; ++r) {
+          shared = std::min(shared, s.cols[t0 + r]);
+          most = std::max(most, s.cols[t0 + r]);
+          rescale |= s.alpha[t0 + r] != 1.0f;
+        }
+        if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
+        k_ahead.step();
+        const float* p_rows = s.s + t0 * kKeys;
+        const float* alpha = rescale ? s.alpha + t0 : nullptr;
+        float* o_rows = s.acc + t0 * s.dim_p + cp;
+        if constexpr (K::kWholeGroups) {
+          K::template pv_tile<kRows>(p_rows, shared, vp, alpha, o_rows, s.dim_p);
+        } else {
+          mha::support::with_count<kRows>(nr, [&](auto rows) {
+            K::template pv_tile<decltype(rows)::value>(p_rows, shared, vp, alpha, o_rows, s.dim_p);
+          });
+        }
+        for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
+          const std::int64_t extra = s.cols[t0 + r] - shared;
+          if (extra > 0) {
+            K::template pv_tile<1>(p_rows + r * kKeys + shared, extra, vp + shared * panel, nullptr,
+                                   o_rows + r * s.dim_p, s.dim_p);
+          }
+        }
+      }
+    }
+  }
+
+  // o = O / l, lse = (m + log2 l) ln 2 for every block row.
+  static void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
+                           float* lse) {
+    for (std::int64_t t = 0; t < block.rows; ++t) {
+      K::finish_row(s.acc + t * s.dim_p, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)),
+                    p.head_dim, block.o_row(p, o, t), block.lse_at(p, lse, t));
+    }
+  }
+
+  static void prefill(const mha::Problem& p, const float* q, const float* k, const float* v,
+                      float* o, float* lse, mha::Workspace ws) {
+    const std::int64_t dim = p.head_dim, panel = K::panel();
+    const float c = logit_scale(p);
+    Carve workspace(ws.data);
+    const Scratch s = carve(p, workspace);
+    mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
+      start_block(p, block, q, s);
+      const float* k_head = block.k_head(p, k);
+      const float* v_head = block.v_head(p, v);
+      const std::int64_t block_keys = block.keys(p);
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
+        const std::int64_t keys = std::min(kKeys, block_keys - c0);
+        const float* k_tile = k_head + c0 * p.k.seq;
+        const float* v_tile = v_head + c0 * p.v.seq;
+        for (std::int64_t t = 0; t < block.rows; ++t)
+          s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
+        // V of this tile arrives during S, K of the next one during P V.
+        const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
+        RowPrefetch v_ahead(v_tile, p.v.seq, keys, dim,
+                            groups(block) * mha::support::ceil_div(keys, panel));
+        RowPrefetch k_ahead;
+        if (next_keys > 0) {
+          k_ahead = RowPrefetch(k_tile + kKeys * p.k.seq, p.k.seq, next_keys, dim,
+                                groups(block) * (s.dim_p / panel));
+        }
+        K::pack_k(k_tile, p.k.seq, keys, dim, s.kp);
+        tile_logits(p, block, keys, c, s, v_ahead);
+        tile_softmax(block, s);
+        K::pack_v(v_tile, p.v.seq, keys, dim, s.vp);
+        tile_pv(block, keys, s, k_ahead);
+      }
+      finish_block(p, block, s, o, lse);
+    });
+  }
+
+  // ---- Decode -------------------------------------------------------------------------
+
+  static bool decodes(const mha::Problem& p) {
+    return p.q_heads / p.kv_heads * p.q_len < kDecodeRows;
+  }
+
+  struct DecodeScratch {
+    std::int64_t tile_keys;  // keys per tile, a multiple of K::decode_step()
+    std::int64_t dim_w;      // head_dim rounded up to W: an accumulator's length
+    float* acc;              // [rows][dim_w]: O
+    float* weights;          // [tile_keys]: one row's logits, then its weights
+  };
+
+  static DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
+    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+    DecodeScratch s;
+    s.tile_keys = mha::support::decode_tile_keys(p, K::decode_step());
+    s.dim_w = mha::support::round_up(p.head_dim, K::lanes());
+    s.acc = carve.take<float>(rows * s.dim_w);
+    s.weights = carve.take<float>(s.tile_keys);
+    return s;
+  }
+
+  // Prefetch: the next tile's K and V rows, spread over the S steps of every row (a few whole
+  // rows per kDotKeys keys, through one counter: the S loop has no register to spare).
+  static void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v,
+                          float* o, float* lse, mha::Workspace ws) {
+    const std::int64_t dim = p.head_dim;
+    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+    Carve workspace(ws.data);
+    const DecodeScratch s = carve_decode(p, workspace);
+    const std::int64_t tile_keys = s.tile_keys;
+    const float c = logit_scale(p);
+    // Prefetch steps per tile: one per kDotKeys keys of every row's S.
+    const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
+
+    // One block per (batch, KV head): all its g x q_len rows (block row t: query head
+    // head0 + t / q_len, query row t % q_len).
+    mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+      const float* k_head = block.k_head(p, k);
+      const float* v_head = block.v_head(p, v);
+      float ms[kDecodeRows], ls[kDecodeRows];
+      std::fill(ms, ms + rows, neg_inf());
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
+      const std::int64_t block_keys = block.keys(p);
+      // The first tile, before it is needed.
+      K::prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
+
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
+        const std::int64_t next =
+            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
+        const float* k_tile = k_head + c0 * p.k.seq;
+        const float* v_tile = v_head + c0 * p.v.seq;
+        // The next tile's rows, rows_per_step at each step.
+        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
+        std::int64_t step = 0;
+        const auto prefetch_step = [&] {
+          const std::int64_t first = step++ * rows_per_step;
+          if (const std::int64_t n = std::min(rows_per_step, next - first); n > 0) {
+            K::prefetch_rows(k_tile + (tile_keys + first) * p.k.seq, p.k.seq,
+                             v_tile + (tile_keys + first) * p.v.seq, p.v.seq, n, dim);
+          }
+        };
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+          if (cols == 0) continue;
+          const float tile_max = K::decode_logits(block.q_row(p, q, t), k_tile, p.k.seq, cols, dim,
+                                                  c, s.weights, prefetch_step);
+          float alpha = 1.0f;
+          if (tile_max > ms[t]) {
+            alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
+            ms[t] = tile_max;
+          }
+          const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(ms[t]));
+          ls[t] = ls[t] * alpha + sum;
+          K::decode_pv(s.weights, cols, v_tile, p.v.seq, dim, s.acc + t * s.dim_w, alpha);
+        }
+      }
+
+      for (std::int64_t t = 0; t < rows; ++t) {
+        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
+                      block.o_row(p, o, t), block.lse_at(p, lse, t));
+      }
+    });
+  }
+
+  // ---- Entry points -------------------------------------------------------------------
+
+  static std::size_t workspace(const mha::Problem& p) {
+    if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+    // At least what the largest decode needs, so that the size never shrinks as q_len grows.
+    mha::Problem largest_decode = p;
+    largest_decode.q_heads = p.kv_heads;
+    largest_decode.q_len = kDecodeRows - 1;
+    return std::max(
+        mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+        mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
+  }
+
+  // Computes what mha/attention.h specifies; the caller holds the mha::FpEnvGuard.
+  static void run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+                  float* lse, mha::Workspace ws) {
+    if (decodes(p)) {
+      decode_rows(p, q, k, v, o, lse, ws);
+    } else {
+      prefill(p, q, k, v, o, lse, ws);
+    }
+  }
+};
+
+}  // namespace tiled
