@@ -224,8 +224,8 @@ __m256 sum_lanes8(const __m256 (&a)[8]) {
 // arrays in memory, a store per FMA.
 //
 // Prefetch: the next tile's K and V rows, spread over the S steps of every row (a few whole
-// rows per 8 keys, prefetch_rows). K and V of 256 MiB (g = 4, 8 KV heads x 32768 keys,
-// head-major; Xeon, median of alternating runs): 22.2 ns per row and key, against 32.7
+// rows per 8 keys, tiled_loops.h's prefetch_rows). K and V of 256 MiB (g = 4, 8 KV heads x
+// 32768 keys, head-major; Xeon, median of alternating runs): 22.2 ns per row and key, against 32.7
 // without software prefetch, 26.1 with RowPrefetch's line-by-line steps; with K and V in L2
 // the prefetches cost 13.2 -> 14.2 ns (a case decode meets only in benchmarks that repeat
 // one step: a KV cache is read once per step). At g = 1 the stream runs at DRAM speed with
@@ -486,28 +486,6 @@ struct Avx2 {
     }
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
-  }
-
-  // Prefetches rows [0, n) of K and V (row strides k_seq, v_seq; dim floats each) into L2,
-  // every line holding an element of them: decode's software prefetch, whole rows at a time
-  // (no per-line state: with RowPrefetch's, the bookkeeping cost 4.4 ns per row and key).
-  // Inlined: called out of line from the S loop, decode from memory (g = 4) ran 28-38 ns per
-  // row and key instead of 23-31 (the call clobbers every vector register).
-  static MHA_ALWAYS_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
-                                              std::int64_t v_seq, std::int64_t n,
-                                              std::int64_t dim) {
-    const std::int64_t bytes = dim * std::int64_t{sizeof(float)};
-    for (std::int64_t i = 0; i < n; ++i) {
-      const char* k_row = reinterpret_cast<const char*>(k + i * k_seq);
-      const char* v_row = reinterpret_cast<const char*>(v + i * v_seq);
-      for (std::int64_t b = 0; b < bytes; b += 64) {
-        _mm_prefetch(k_row + b, _MM_HINT_T1);
-        _mm_prefetch(v_row + b, _MM_HINT_T1);
-      }
-      // The last element's line, when the row does not start on a line.
-      _mm_prefetch(k_row + bytes - sizeof(float), _MM_HINT_T1);
-      _mm_prefetch(v_row + bytes - sizeof(float), _MM_HINT_T1);
-    }
   }
 
   // Base-2 logits of the row's `cols` keys, 8 at a time: key i's dot product in a[i], over

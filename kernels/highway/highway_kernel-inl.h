@@ -321,21 +321,6 @@ inline void FinishRow(const float* acc, float m, float l, std::int64_t visible, 
 // Keys per decode step of the softmax: a multiple of both N and kDotKeys.
 inline std::int64_t DecodeStep() { return std::max(Lanes(), kDotKeys); }
 
-// Rows [0, n) of K and V into L2, every line holding an element of them.
-HWY_INLINE void PrefetchRows(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
-                             std::int64_t n, std::int64_t dim) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float* k_row = k + i * k_seq;
-    const float* v_row = v + i * v_seq;
-    for (std::int64_t c = 0; c < dim; c += 16) {
-      __builtin_prefetch(k_row + c, 0, 2);
-      __builtin_prefetch(v_row + c, 0, 2);
-    }
-    __builtin_prefetch(k_row + dim - 1, 0, 2);  // the last line, when a row is not aligned
-    __builtin_prefetch(v_row + dim - 1, 0, 2);
-  }
-}
-
 // out[i] = c q . k_i for the nk (1 .. 4) key rows k_i = k + i k_seq.
 HWY_INLINE void DotKeys(const float* q, const float* k, std::int64_t k_seq, std::int64_t nk,
                         std::int64_t dim, float c, float* out) {
@@ -491,10 +476,6 @@ struct Ops {
   static HWY_INLINE void decode_pv(const float* w, std::int64_t cols, const float* v,
                                    std::int64_t v_seq, std::int64_t dim, float* acc, float alpha) {
     AddWeightedRows(w, cols, v, v_seq, dim, acc, alpha);
-  }
-  static HWY_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
-                                       std::int64_t v_seq, std::int64_t n, std::int64_t dim) {
-    PrefetchRows(k, k_seq, v, v_seq, n, dim);
   }
 };
 

@@ -428,23 +428,6 @@ struct Attention {
     for (int c = 0; c < NV; ++c) o[c].store_aligned(acc + kWidth * c);
   }
 
-  // Rows [0, n) of K and V into L2, every line holding an element of them. Inlined: called
-  // out of line from the S loop, the call would clobber every vector register (avx2.cpp).
-  static MHA_ALWAYS_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
-                                              std::int64_t v_seq, std::int64_t n,
-                                              std::int64_t dim) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      const float* k_row = k + i * k_seq;
-      const float* v_row = v + i * v_seq;
-      for (std::int64_t d = 0; d < dim; d += 16) {
-        __builtin_prefetch(k_row + d, 0, 2);
-        __builtin_prefetch(v_row + d, 0, 2);
-      }
-      __builtin_prefetch(k_row + dim - 1, 0, 2);  // the last line, when a row is not aligned
-      __builtin_prefetch(v_row + dim - 1, 0, 2);
-    }
-  }
-
   // Base-2 logits of the row's `cols` keys, W at a time (decode_logits, mha/tiled_loops.h).
   template <class Step>
   static MHA_ALWAYS_INLINE float decode_logits(const float* q, const float* k, std::int64_t k_seq,
