@@ -309,9 +309,12 @@ struct Loops {
 
   // ---- Decode -------------------------------------------------------------------------
 
-  static bool decodes(const mha::Problem& p) {
-    return p.q_heads / p.kv_heads * p.q_len < kDecodeRows;
+  // Query rows per KV head, g x q_len: a decode block's rows.
+  static std::int64_t decode_rows_per_kv_head(const mha::Problem& p) {
+    return p.q_heads / p.kv_heads * p.q_len;
   }
+
+  static bool decodes(const mha::Problem& p) { return decode_rows_per_kv_head(p) < kDecodeRows; }
 
   struct DecodeScratch {
     std::int64_t tile_keys;  // keys per tile, a multiple of K::decode_step()
@@ -321,7 +324,7 @@ struct Loops {
   };
 
   static DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
-    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+    const std::int64_t rows = decode_rows_per_kv_head(p);  // < kDecodeRows
     DecodeScratch s;
     s.tile_keys = mha::support::decode_tile_keys(p, K::decode_step());
     s.dim_w = mha::support::round_up(p.head_dim, K::lanes());
@@ -356,7 +359,7 @@ struct Loops {
   static void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v,
                           float* o, float* lse, mha::Workspace ws) {
     const std::int64_t dim = p.head_dim;
-    const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < kDecodeRows
+    const std::int64_t rows = decode_rows_per_kv_head(p);  // < kDecodeRows
     Carve workspace(ws.data);
     const DecodeScratch s = carve_decode(p, workspace);
     const std::int64_t tile_keys = s.tile_keys;
