@@ -428,6 +428,18 @@ struct Attention {
     for (int c = 0; c < NV; ++c) o[c].store_aligned(acc + kWidth * c);
   }
 
+  // dot_keys of the first nk < W keys, a row's last step: out of line. Inlined, xsimd-avx512's
+  // 15 of them made decode's function 34 KiB instead of 11 and decode 1.1-1.5 times as slow
+  // (Zen 4; xsimd-avx2 up to 1.06). avx2.cpp's 7 stay inlined: out of line they cost it up to
+  // 16 %.
+  static MHA_NOINLINE Batch dot_keys_part(std::int64_t nk, const float* q, const float* k,
+                                          std::int64_t k_seq, std::int64_t dim) {
+    Batch dots;
+    mha::support::with_count<kDotKeys - 1>(
+        nk, [&](auto count) { dots = dot_keys<decltype(count)::value>(q, k, k_seq, dim); });
+    return dots;
+  }
+
   // Base-2 logits of the row's `cols` keys, W at a time (decode_logits, mha/tiled_loops.h).
   template <class Step>
   static MHA_ALWAYS_INLINE float decode_logits(const float* q, const float* k, std::int64_t k_seq,
@@ -438,15 +450,8 @@ struct Attention {
     for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
       const std::int64_t nk = std::min(kDotKeys, cols - j0);
       const float* key0 = k + j0 * k_seq;
-      // Whole steps at a call site of their own, which GCC inlines (through with_count, with
-      // xsimd-avx512's 16 counts, it called dot_keys<16> out of line).
-      Batch dots;
-      if (nk == kDotKeys) {
-        dots = dot_keys<kDotKeys>(q, key0, k_seq, dim);
-      } else {
-        mha::support::with_count<kDotKeys - 1>(
-            nk, [&](auto count) { dots = dot_keys<decltype(count)::value>(q, key0, k_seq, dim); });
-      }
+      const Batch dots = nk == kDotKeys ? dot_keys<kDotKeys>(q, key0, k_seq, dim)
+                                        : dot_keys_part(nk, q, key0, k_seq, dim);
       after_step();
       const Batch x = dots * logit_scale;
       x.store_aligned(w + j0);

@@ -67,11 +67,14 @@
 /// with_count is inlined. (Without it, the avx2 kernel's microkernels were called out of
 /// line, and its prefill took 1.4 times as long. for_each_block, called once per block, is
 /// not: inlining the whole block into the kernel's entry made the S microkernel spill an
-/// accumulator, 1.2 times as long.)
+/// accumulator, 1.2 times as long.) MHA_NOINLINE keeps a rarely taken path out of a hot
+/// function whose register allocation it would otherwise share.
 #if defined(__GNUC__) || defined(__clang__)
 #define MHA_ALWAYS_INLINE inline __attribute__((always_inline))
+#define MHA_NOINLINE __attribute__((noinline))
 #else
 #define MHA_ALWAYS_INLINE inline
+#define MHA_NOINLINE
 #endif
 
 namespace mha::support {
