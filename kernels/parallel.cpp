@@ -201,8 +201,8 @@ std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p,
 }
 
 void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
-                        const float* q, const float* k, const float* v, float* o, float* lse,
-                        int threads, Workspace ws) {
+                        const float* q, KvView k, KvView v, float* o, float* lse, int threads,
+                        Workspace ws) {
   // One thread inside a caller's parallel region, whatever ws was sized for: the layout for
   // fewer threads differs only in its per-thread arrays, which are shorter.
   threads = call_threads(threads);
@@ -241,8 +241,12 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     tp.kv_len = task.c1 - task.c0;
     tp.causal = task.causal;
     const float* tq = q + u.b * p.q.batch + u.r0 * p.q.seq + u.kv * g * p.q.head;
-    const float* tk = k + u.b * p.k.batch + task.c0 * p.k.seq + u.kv * p.k.head;
-    const float* tv = v + u.b * p.v.batch + task.c0 * p.v.seq + u.kv * p.v.head;
+    const KvView tk =
+        advance(k, p.kv_type, u.b * p.k.batch + task.c0 * p.k.seq + u.kv * p.k.head,
+                u.b * p.k_scale.batch + task.c0 * p.k_scale.seq + u.kv * p.k_scale.head);
+    const KvView tv =
+        advance(v, p.kv_type, u.b * p.v.batch + task.c0 * p.v.seq + u.kv * p.v.head,
+                u.b * p.v_scale.batch + task.c0 * p.v_scale.seq + u.kv * p.v_scale.head);
     const Workspace kws{l.kernel + static_cast<std::size_t>(thread_index()) * l.kernel_stride,
                         bd.kernel_bytes};
     if (task.part < 0) {

@@ -10,9 +10,9 @@
 #include <stdexcept>
 #include <string>
 
-#define MHA_KERNEL(name, isa, function, exp_ulp, tiled)                                          \
-  void function(const mha::Problem& p, const float* q, const float* k, const float* v, float* o, \
-                float* lse, mha::Workspace ws);                                                  \
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled, kv_types)                              \
+  void function(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o, \
+                float* lse, mha::Workspace ws);                                                \
   std::size_t function##_workspace(const mha::Problem& p);
 #include "registry.inc"
 #undef MHA_KERNEL
@@ -28,8 +28,8 @@ namespace mha {
 
 const std::vector<KernelInfo>& all_kernels() {
   static const std::vector<KernelInfo> kernels = {
-#define MHA_KERNEL(name, isa, function, exp_ulp, tiled) \
-  {#name, Isa::isa, function, function##_workspace, exp_ulp, tiled},
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled, kv_types) \
+  {#name, Isa::isa, function, function##_workspace, exp_ulp, tiled, kv_types},
 #include "registry.inc"
 #undef MHA_KERNEL
   };
@@ -47,10 +47,10 @@ const KernelInfo* find_kernel(const std::string& name) {
   return nullptr;
 }
 
-const KernelInfo& best_kernel() {
-  const KernelInfo* best = &all_kernels().front();  // naive: scalar, always available
+const KernelInfo& best_kernel(KvType t) {
+  const KernelInfo* best = &all_kernels().front();  // naive: scalar, always available, any type
   for (const KernelInfo& kernel : all_kernels()) {
-    if (available(kernel)) best = &kernel;
+    if (available(kernel) && reads(kernel, t)) best = &kernel;
   }
   return *best;
 }
@@ -90,30 +90,40 @@ struct Range {
   std::uintptr_t begin, end;  // bytes [begin, end)
 };
 
-Range range(const char* name, const void* base, std::int64_t elements) {
+Range range(const char* name, const void* base, std::int64_t elements,
+            std::size_t bytes = sizeof(float)) {
   const auto begin = reinterpret_cast<std::uintptr_t>(base);
-  return {name, begin, begin + static_cast<std::uintptr_t>(elements) * sizeof(float)};
+  return {name, begin, begin + static_cast<std::uintptr_t>(elements) * bytes};
 }
 
 bool intersect(const Range& a, const Range& b) { return a.begin < b.end && b.begin < a.end; }
 
 }  // namespace
 
-std::string check_call(const Problem& p, const float* q, const float* k, const float* v,
-                       const float* o, const float* lse) {
+std::string check_call(const Problem& p, const float* q, KvView k, KvView v, const float* o,
+                       const float* lse) {
   std::string message = check(p);
   if (!message.empty()) return message;
+  const bool i8 = p.kv_type == KvType::i8;
   const struct {
     const char* name;
-    const float* ptr;
-  } required[] = {{"q", q}, {"k", k}, {"v", v}, {"o", o}};
+    const void* ptr;
+  } required[] = {{"q", q},
+                  {"k", k.data},
+                  {"v", v.data},
+                  {"o", o},
+                  {"k.scale (kv_type i8)", i8 ? k.scale : q},
+                  {"v.scale (kv_type i8)", i8 ? v.scale : q}};
   for (const auto& r : required) {
     if (r.ptr == nullptr) return std::string(r.name) + " must not be null";
   }
   // Whole memory ranges are compared, so an output interleaved with an input in one buffer
   // (disjoint elements, overlapping ranges) is rejected too: conservative, never unsafe.
-  const Range inputs[] = {range("q", q, q_extent(p)), range("k", k, k_extent(p)),
-                          range("v", v, v_extent(p))};
+  const std::size_t kv_bytes = kv_type_bytes(p.kv_type);
+  const Range inputs[] = {range("q", q, q_extent(p)), range("k", k.data, k_extent(p), kv_bytes),
+                          range("v", v.data, v_extent(p), kv_bytes),
+                          range("k.scale", k.scale, i8 ? k_scale_extent(p) : 0),
+                          range("v.scale", v.scale, i8 ? v_scale_extent(p) : 0)};
   Range outputs[] = {range("o", o, o_extent(p)), range("lse", lse, lse_extent(p))};
   const int n_outputs = lse != nullptr ? 2 : 1;
   for (int i = 0; i < n_outputs; ++i) {
@@ -147,8 +157,8 @@ Workspace thread_workspace(std::size_t bytes) {
   return {data.get(), size};
 }
 
-void run(const KernelInfo& info, const Problem& p, const float* q, const float* k, const float* v,
-         float* o, float* lse, int threads) {
+void run(const KernelInfo& info, const Problem& p, const float* q, KvView k, KvView v, float* o,
+         float* lse, int threads) {
   if (!available(info)) {
     throw std::invalid_argument("kernel '" + std::string(info.name) + "' needs " +
                                 isa_name(info.isa) +
@@ -156,6 +166,10 @@ void run(const KernelInfo& info, const Problem& p, const float* q, const float* 
   }
   const std::string message = check_call(p, q, k, v, o, lse);
   if (!message.empty()) throw std::invalid_argument("mha::attention: " + message);
+  if (!reads(info, p.kv_type)) {
+    throw std::invalid_argument("mha::attention: kernel '" + std::string(info.name) +
+                                "' does not read kv_type " + kv_type_name(p.kv_type));
+  }
   threads = call_threads(threads);  // the workspace for the threads that will run
   const Workspace ws = thread_workspace(parallel_workspace(info.workspace, p, threads));
   parallel_attention(info.fn, info.workspace, p, q, k, v, o, lse, threads, ws);
@@ -220,16 +234,16 @@ void gemm(std::int64_t m, const float* a, std::int64_t lda, const PackedMatrix& 
   parallel_gemm(b.kernel()->fn, tile, &job, 1, threads);
 }
 
-void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
-               const float* v, float* o, float* lse, int threads) {
+void attention(const std::string& kernel, const Problem& p, const float* q, KvView k, KvView v,
+               float* o, float* lse, int threads) {
   const KernelInfo* info = find_kernel(kernel);
   if (info == nullptr) throw std::invalid_argument("unknown kernel '" + kernel + "'");
   run(*info, p, q, k, v, o, lse, threads);
 }
 
-void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
-               float* lse, int threads) {
-  run(best_kernel(), p, q, k, v, o, lse, threads);
+void attention(const Problem& p, const float* q, KvView k, KvView v, float* o, float* lse,
+               int threads) {
+  run(best_kernel(p.kv_type), p, q, k, v, o, lse, threads);
 }
 
 }  // namespace mha

@@ -46,16 +46,15 @@ void with_workspace(const Problem& p, std::size_t bytes, const char* name, F&& f
 }  // namespace
 
 Call call_kernel(const KernelInfo& kernel) {
-  return [kernel](const Problem& p, const float* q, const float* k, const float* v, float* o,
-                  float* lse) {
+  return [kernel](const Problem& p, const float* q, KvView k, KvView v, float* o, float* lse) {
     with_workspace(p, kernel.workspace(p), kernel.name,
                    [&](Workspace ws) { kernel.fn(p, q, k, v, o, lse, ws); });
   };
 }
 
 Call call_driver(const KernelInfo& kernel, int threads, const ParallelDriver& driver) {
-  return [kernel, threads, driver](const Problem& p, const float* q, const float* k, const float* v,
-                                   float* o, float* lse) {
+  return [kernel, threads, driver](const Problem& p, const float* q, KvView k, KvView v, float* o,
+                                   float* lse) {
     with_workspace(p, driver.workspace(kernel.workspace, p, threads), kernel.name,
                    [&](Workspace ws) {
                      driver.attention(kernel.fn, kernel.workspace, p, q, k, v, o, lse, threads, ws);
@@ -68,7 +67,7 @@ Outputs run(const Call& call, const std::string& name, const Inputs& in, std::in
 }
 
 Outputs run(const Call& call, const std::string& name, const Problem& p, const Inputs& in,
-            const float* q, const float* k, const float* v, std::int64_t misalign) {
+            const float* q, KvView k, KvView v, std::int64_t misalign) {
   Outputs out;
   out.o = Guarded(o_extent(p), misalign);
   out.lse = Guarded(lse_extent(p), (misalign + 3) % 16);

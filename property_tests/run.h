@@ -25,8 +25,8 @@ namespace mha::test {
 /// below make every Call the properties run; they are the only code in the tests that calls
 /// a kernel function or the parallel driver, so a change of the kernel signature is made in
 /// them alone.
-using Call = std::function<void(const Problem&, const float* q, const float* k, const float* v,
-                                float* o, float* lse)>;
+using Call =
+    std::function<void(const Problem&, const float* q, KvView k, KvView v, float* o, float* lse)>;
 
 /// `kernel` called directly, with a workspace of exactly the size it asks for in a guarded
 /// buffer (a write outside it fails the property, a read before a write shows as NaN).
@@ -50,7 +50,7 @@ Outputs run(const Call& call, const std::string& name, const Inputs& in, std::in
 
 /// The same for a problem `p` over the inputs' arena at other pointers (slices, chunks).
 Outputs run(const Call& call, const std::string& name, const Problem& p, const Inputs& in,
-            const float* q, const float* k, const float* v, std::int64_t misalign = 0);
+            const float* q, KvView k, KvView v, std::int64_t misalign = 0);
 
 /// The full equivalence property: reference vs kernel on one case.
 void check_equivalence(const KernelInfo& kernel, const Case& c);

@@ -5,8 +5,8 @@
 
 namespace mha::ref {
 
-Result attention(const Problem& p, const float* q, const float* k, const float* v,
-                 std::int64_t row_begin, std::int64_t row_end) {
+Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int64_t row_begin,
+                 std::int64_t row_end) {
   if (row_end < 0) row_end = p.q_len;
   Result r;
   r.q_heads = p.q_heads;
@@ -24,14 +24,15 @@ Result attention(const Problem& p, const float* q, const float* k, const float* 
         const std::int64_t n = visible_keys(p, i);
         if (n == 0) continue;
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
-        // Pass 1: logits (float products are exact in double) and their max.
+        // Pass 1: logits (products of a float and a K value are exact in double, but for
+        // an i8 value q s times a float: 8 + 24 + 24 bits, rounded once, 2^-53) and their max.
         double m = -std::numeric_limits<double>::infinity();
         bool nan = false;
         for (std::int64_t j = 0; j < n; ++j) {
-          const float* k_row = k + b * p.k.batch + j * p.k.seq + kv_head * p.k.head;
+          const KvRow key = k_row(p, k, b, j, kv_head);
           double dot = 0.0;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            dot += static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
+            dot += static_cast<double>(q_row[d]) * key.at(d);
           }
           score[static_cast<std::size_t>(j)] = static_cast<double>(p.scale) * dot;
           nan |= std::isnan(score[static_cast<std::size_t>(j)]);
@@ -47,9 +48,9 @@ Result attention(const Problem& p, const float* q, const float* k, const float* 
         double* o_row =
             &r.o[static_cast<std::size_t>(((b * p.q_heads + h) * p.q_len + i) * p.head_dim)];
         for (std::int64_t j = 0; j < n; ++j) {
-          const float* v_row = v + b * p.v.batch + j * p.v.seq + kv_head * p.v.head;
+          const KvRow value = v_row(p, v, b, j, kv_head);
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            o_row[d] += score[static_cast<std::size_t>(j)] * static_cast<double>(v_row[d]);
+            o_row[d] += score[static_cast<std::size_t>(j)] * value.at(d);
           }
         }
         for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] /= sum;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <mha/attention.h>
+#include <mha/kv_types.h>
 
 #include <cstdint>
 #include <vector>
@@ -22,11 +23,37 @@ struct Result {
   }
 };
 
-/// Attention of the problem p (strides as p says) over the fp32 inputs. Rows that see no key
+/// One row of K or V (batch b, token j, KV head h) as exact doubles: element d's stored
+/// number times, for i8, the row's scale (a product exact in double).
+struct KvRow {
+  KvType type = KvType::f32;
+  const void* data = nullptr;
+  double scale = 1.0;
+  double at(std::int64_t d) const {
+    return static_cast<double>(kv::stored_at(type, data, d)) * scale;
+  }
+};
+inline KvRow kv_row(const Problem& p, const KvView& x, const Strides& st, const Strides& scale_st,
+                    std::int64_t b, std::int64_t j, std::int64_t h) {
+  const KvView row = advance(x, p.kv_type, b * st.batch + j * st.seq + h * st.head,
+                             b * scale_st.batch + j * scale_st.seq + h * scale_st.head);
+  return {p.kv_type, row.data, p.kv_type == KvType::i8 ? static_cast<double>(*row.scale) : 1.0};
+}
+inline KvRow k_row(const Problem& p, const KvView& k, std::int64_t b, std::int64_t j,
+                   std::int64_t h) {
+  return kv_row(p, k, p.k, p.k_scale, b, j, h);
+}
+inline KvRow v_row(const Problem& p, const KvView& v, std::int64_t b, std::int64_t j,
+                   std::int64_t h) {
+  return kv_row(p, v, p.v, p.v_scale, b, j, h);
+}
+
+/// Attention of the problem p (strides as p says) over the inputs, K and V of p.kv_type
+/// taken at their exact values (kv_row). Rows that see no key
 /// are zeros with lse -inf; NaN in the inputs propagates. Runs only the query rows
 /// [row_begin, row_end) of every head when given (others are left zero), so a caller can
 /// check a sample of rows of a large problem.
-Result attention(const Problem& p, const float* q, const float* k, const float* v,
-                 std::int64_t row_begin = 0, std::int64_t row_end = -1);
+Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int64_t row_begin = 0,
+                 std::int64_t row_end = -1);
 
 }  // namespace mha::ref

@@ -1,5 +1,7 @@
 #include "tolerance.h"
 
+#include "reference.h"
+
 #include <algorithm>
 #include <cmath>
 #include <iterator>
@@ -36,8 +38,8 @@ double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, do
   return (weight_shift(eta) + accumulation_factor(static_cast<double>(n))) * v_max;
 }
 
-Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
-                    double exp_ulp, std::int64_t row_begin, std::int64_t row_end) {
+Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double exp_ulp,
+                    std::int64_t row_begin, std::int64_t row_end) {
   if (row_end < 0) row_end = p.q_len;
   Tolerance t;
   t.q_heads = p.q_heads;
@@ -49,6 +51,8 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
   t.v_max.assign(rows, 0.0);
   const std::int64_t group = p.q_heads / p.kv_heads;
   const double scale = std::fabs(static_cast<double>(p.scale));
+  // Step 6: an i8 value's rounding in fp32, once per K product and once per V element.
+  const double kv_roundings = p.kv_type == KvType::i8 ? 1.0 : 0.0;
   std::vector<double> logit;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
@@ -62,16 +66,16 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
         std::int64_t nonzero = 0;
         logit.resize(static_cast<std::size_t>(n));
         for (std::int64_t j = 0; j < n; ++j) {
-          const float* k_row = k + b * p.k.batch + j * p.k.seq + kv_head * p.k.head;
-          const float* v_row = v + b * p.v.batch + j * p.v.seq + kv_head * p.v.head;
+          const KvRow key = k_row(p, k, b, j, kv_head);
+          const KvRow value = v_row(p, v, b, j, kv_head);
           double dot = 0.0, abs_dot = 0.0;
           std::int64_t products = 0;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            const double x = static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
+            const double x = static_cast<double>(q_row[d]) * key.at(d);
             dot += x;
             abs_dot += std::fabs(x);
             products += x != 0.0 ? 1 : 0;
-            vmax = std::max(vmax, std::fabs(static_cast<double>(v_row[d])));
+            vmax = std::max(vmax, std::fabs(value.at(d)));
           }
           a = std::max(a, scale * abs_dot);
           nonzero = std::max(nonzero, products);
@@ -79,7 +83,7 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
           top = std::max(top, logit[static_cast<std::size_t>(j)]);
         }
         const double u = kU;
-        const double delta = gamma(static_cast<double>(nonzero) + 5.0) * a;
+        const double delta = gamma(static_cast<double>(nonzero) + 5.0 + kv_roundings) * a;
         const double eta = std::exp(delta) * (1.0 + exp_ulp * 2.0 * u) - 1.0;
         // Step 3 over the keys within `depth` of the top logit, the rest as small mass: the
         // split that gives the smallest bound (depth infinite: every key counted, no mass).
@@ -114,7 +118,7 @@ Tolerance tolerance(const Problem& p, const float* q, const float* k, const floa
         const std::size_t r = t.row(b, h, i);
         t.v_max[r] = vmax;
         t.accumulation[r] = accumulation * vmax;
-        t.o[r] = (weight_shift(eta) + accumulation) * vmax;
+        t.o[r] = (weight_shift(eta) + accumulation + kv_roundings * u) * vmax;
         t.lse[r] = std::log1p(eta) - std::log1p(-std::min(g, 0.5)) +
                    (4.0 + exp_ulp) * 2.0 * u * (a + std::log(static_cast<double>(n)) + 1.0);
       }

@@ -56,6 +56,13 @@
 //
 //    tol_lse = log(1 + eta) - log(1 - e) + (4 + exp_ulp) * 2u * (A + log(n) + 1)
 //
+// 6. K and V of a reduced type (p.kv_type). f16 and bf16 widen to fp32 exactly: nothing
+//    changes. An i8 element's value q s is formed in fp32 with one rounding (or the scale
+//    multiplies a finished dot product: one rounding too), which the reference does not
+//    make: one more rounding per product in step 1 (gamma(Z + 6)), and every v moved by at
+//    most u |v|, which moves the weighted mean by at most u V: tol_o gains u V. (For
+//    normal products q s; the property tests' scales keep them so.)
+//
 // Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
 // loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
 // head mapping, a doubled scale, a skipped key, a dropped tail of D or lse in the wrong
@@ -102,8 +109,8 @@ double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, do
 
 /// The bounds above for every row of p over its inputs (only rows [row_begin, row_end) of
 /// every head when given; the others stay 0).
-Tolerance tolerance(const Problem& p, const float* q, const float* k, const float* v,
-                    double exp_ulp, std::int64_t row_begin = 0, std::int64_t row_end = -1);
+Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double exp_ulp,
+                    std::int64_t row_begin = 0, std::int64_t row_end = -1);
 
 /// The tolerance of a result merged from `parts` partial results (split-KV): each part is
 /// within the whole problem's tolerance (fewer keys, same maxima); merging perturbs the

@@ -882,9 +882,11 @@ std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
                   mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
-void mha_f32_attention_avx512(const mha::Problem& p, const float* q, const float* k, const float* v,
-                              float* o, float* lse, mha::Workspace ws) {
+void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView k_view,
+                              mha::KvView v_view, float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
+  const auto* k = static_cast<const float*>(k_view.data);  // kv_type f32 (registry.inc)
+  const auto* v = static_cast<const float*>(v_view.data);
   if (decodes(p)) {
     decode_rows(p, q, k, v, o, lse, ws);
     return;

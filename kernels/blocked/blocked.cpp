@@ -1,4 +1,5 @@
-// blocked: multi-head attention with flash-attention tiling and an online softmax, in fp32.
+// blocked: multi-head attention with flash-attention tiling and an online softmax, in fp32,
+// over K and V of any KvType.
 //
 // Computes what mha/attention.h specifies (per query head h, reading KV head h / g with
 // g = q_heads / kv_heads: o = softmax(scale * q k^T + causal mask) v and lse = the log of
@@ -31,8 +32,14 @@
 //
 // Tile sizes: mha::support::flash_tiling (mha/support.h gives the reasoning).
 //
+// K and V stored as f16, bf16 or i8 (p.kv_type): each tile's rows are widened to fp32 into
+// a Bc x head_dim buffer as they are read (mha::kv::widen_rows), K's then packed from there,
+// V's read from there by P V. The arithmetic after that is the fp32 path's, so a cache of
+// values the smaller type holds exactly gives the fp32 cache's output, bit for bit.
+//
 // Workspace (the caller's; mha_f32_attention_blocked_workspace gives its size), in floats:
 // Bc x head_dim (K^T tile) + R x Bc (scores) + R x head_dim (accumulators) + 2 R (m, l),
+// + Bc x head_dim (the widened K or V tile) when kv_type is not f32,
 // with R = g x Br block rows. For D = 128 and g = 4 that is 32 + 16 + 32 KiB; it depends on
 // head_dim and g, never on q_len or kv_len beyond Bc and Br.
 //
@@ -40,7 +47,7 @@
 // so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
 // output, and the caller's control bits are as they were on return.
 //
-// Depends on mha/attention.h, mha/support.h and the standard library only.
+// Depends on mha/attention.h, mha/kv_types.h, mha/support.h and the standard library only.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -48,6 +55,7 @@
 #include <limits>
 
 #include "mha/attention.h"
+#include "mha/kv_types.h"
 #include "mha/support.h"
 
 namespace {
@@ -175,11 +183,12 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
 
 // The kernel's arrays in the caller's workspace, sized for the largest block.
 struct Scratch {
-  float* kt;   // [head_dim][Bc]: the K^T tile
-  float* s;    // [R][Bc]: the block's logits, then its weights
-  float* acc;  // [R][head_dim]: the block's O accumulators
-  float* m;    // [R]: running maxima
-  float* l;    // [R]: running sums
+  float* kt;    // [head_dim][Bc]: the K^T tile
+  float* s;     // [R][Bc]: the block's logits, then its weights
+  float* acc;   // [R][head_dim]: the block's O accumulators
+  float* m;     // [R]: running maxima
+  float* l;     // [R]: running sums
+  float* wide;  // [Bc][head_dim]: a K or V tile widened to fp32 (kv_type not f32; else null)
 };
 
 Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
@@ -190,6 +199,7 @@ Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
   s.acc = carve.take<float>(rows * p.head_dim);
   s.m = carve.take<float>(rows);
   s.l = carve.take<float>(rows);
+  s.wide = p.kv_type == mha::KvType::f32 ? nullptr : carve.take<float>(tiling.keys * p.head_dim);
   return s;
 }
 
@@ -224,11 +234,11 @@ void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, s
   }
 }
 
-// O += P V for every block row; v_tile: the tile's first V row.
+// O += P V for every block row; v_tile: the tile's first V row, rows v_seq apart.
 void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
-             std::int64_t bc, const Scratch& s) {
+             std::int64_t v_seq, std::int64_t bc, const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    accumulate_pv(s.s + t * bc, block.tile_keys_seen(p, t, tile.c0, tile.keys), v_tile, p.v.seq,
+    accumulate_pv(s.s + t * bc, block.tile_keys_seen(p, t, tile.c0, tile.keys), v_tile, v_seq,
                   p.head_dim, s.acc + t * p.head_dim);
   }
 }
@@ -249,25 +259,44 @@ std::size_t mha_f32_attention_blocked_workspace(const mha::Problem& p) {
   return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
 }
 
-void mha_f32_attention_blocked(const mha::Problem& p, const float* q, const float* k,
-                               const float* v, float* o, float* lse, mha::Workspace ws) {
+void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+                               float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
   const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;
   Carve workspace(ws.data);
   const Scratch s = carve(p, tiling, workspace);
+  const mha::KvType type = p.kv_type;
 
   mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
     start_block(block, p.head_dim, s);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
+    // Rows [c0, c0 + keys) of the block's KV head of x (K or V), as fp32 rows `seq` apart:
+    // in place for f32, else widened into s.wide.
+    const auto tile_rows = [&](const mha::KvView& x, const mha::Strides& st,
+                               const mha::Strides& scale_st, std::int64_t c0, std::int64_t keys,
+                               std::int64_t* seq) -> const float* {
+      const mha::KvView rows = mha::advance(
+          x, type, block.batch * st.batch + c0 * st.seq + block.kv_head * st.head,
+          block.batch * scale_st.batch + c0 * scale_st.seq + block.kv_head * scale_st.head);
+      if (type == mha::KvType::f32) {
+        *seq = st.seq;
+        return static_cast<const float*>(rows.data);
+      }
+      mha::kv::widen_rows(type, rows.data, st.seq, rows.scale, scale_st.seq, keys, p.head_dim,
+                          s.wide);
+      *seq = p.head_dim;
+      return s.wide;
+    };
     const std::int64_t block_keys = block.keys(p);
     for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
       const Tile tile{c0, std::min(bc, block_keys - c0)};
-      pack_k_transposed(k_head + c0 * p.k.seq, p.k.seq, tile.keys, p.head_dim, s.kt, bc);
+      std::int64_t seq = 0;
+      const float* k_tile = tile_rows(k, p.k, p.k_scale, c0, tile.keys, &seq);
+      pack_k_transposed(k_tile, seq, tile.keys, p.head_dim, s.kt, bc);
       tile_logits(p, block, tile, q, bc, s);
       tile_softmax(p, block, tile, bc, s);
-      tile_pv(p, block, tile, v_head + c0 * p.v.seq, bc, s);
+      const float* v_tile = tile_rows(v, p.v, p.v_scale, c0, tile.keys, &seq);
+      tile_pv(p, block, tile, v_tile, seq, bc, s);
     }
     finish_block(p, block, s, o, lse);
   });

@@ -60,23 +60,25 @@ std::size_t mha_f32_attention_highway_workspace(const mha::Problem& p) {
   return mha::highway_kernel::DispatchWorkspace(p);
 }
 
-void mha_f32_attention_highway(const mha::Problem& p, const float* q, const float* k,
-                               const float* v, float* o, float* lse, mha::Workspace ws) {
+void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+                               float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  mha::highway_kernel::DispatchRun(p, q, k, v, o, lse, ws);
+  mha::highway_kernel::DispatchRun(p, q, static_cast<const float*>(k.data),
+                                   static_cast<const float*>(v.data), o, lse, ws);
 }
 
 // One target's entry points. The registry lists exactly these targets, so each must be built.
-#define MHA_HWY_TARGET_ENTRY(name, TARGET)                                                         \
-  static_assert((HWY_TARGETS & HWY_##TARGET) != 0,                                                 \
-                "Highway does not build its " #TARGET " target here");                             \
-  std::size_t mha_f32_attention_highway_##name##_workspace(const mha::Problem& p) {                \
-    return mha::highway_kernel::N_##TARGET::Workspace(p);                                          \
-  }                                                                                                \
-  void mha_f32_attention_highway_##name(const mha::Problem& p, const float* q, const float* k,     \
-                                        const float* v, float* o, float* lse, mha::Workspace ws) { \
-    const mha::FpEnvGuard default_fp_env;                                                          \
-    mha::highway_kernel::N_##TARGET::Run(p, q, k, v, o, lse, ws);                                  \
+#define MHA_HWY_TARGET_ENTRY(name, TARGET)                                                        \
+  static_assert((HWY_TARGETS & HWY_##TARGET) != 0,                                                \
+                "Highway does not build its " #TARGET " target here");                            \
+  std::size_t mha_f32_attention_highway_##name##_workspace(const mha::Problem& p) {               \
+    return mha::highway_kernel::N_##TARGET::Workspace(p);                                         \
+  }                                                                                               \
+  void mha_f32_attention_highway_##name(const mha::Problem& p, const float* q, mha::KvView k,     \
+                                        mha::KvView v, float* o, float* lse, mha::Workspace ws) { \
+    const mha::FpEnvGuard default_fp_env;                                                         \
+    mha::highway_kernel::N_##TARGET::Run(p, q, static_cast<const float*>(k.data),                 \
+                                         static_cast<const float*>(v.data), o, lse, ws);          \
   }
 
 #if HWY_ARCH_X86_64

@@ -1,4 +1,5 @@
-// naive: multi-head attention straight from the formula, in fp32.
+// naive: multi-head attention straight from the formula, in fp32, over K and V of any
+// KvType (each element widened to fp32 as it is read: mha/kv_types.h's value_at).
 //
 // For each (batch, query head, query row): the full score row s = scale * q K^T over the
 // visible keys, a stable softmax (subtract the row max, exp, sum), then o = softmax(s) V.
@@ -6,28 +7,39 @@
 // writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
 // caller's; the kernel allocates nothing; SIZE_MAX when kv_len floats overflow size_t).
 // Floating-point environment: the default one for the call (mha::FpEnvGuard), whatever the
-// caller's. ISA: portable C++ (the compiler may vectorize). Depends on mha/attention.h only.
+// caller's. ISA: portable C++ (the compiler may vectorize). Depends on mha/attention.h and
+// mha/kv_types.h only.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 
 #include "mha/attention.h"
+#include "mha/kv_types.h"
 
 std::size_t mha_f32_attention_naive_workspace(const mha::Problem& p) {
   return mha::detail::bytes_of(p.kv_len, sizeof(float));  // SIZE_MAX past size_t
 }
 
-void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float* k, const float* v,
+void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                              float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;  // the caller's FTZ or rounding mode would change o
+  const mha::KvType type = p.kv_type;
+  const bool i8 = type == mha::KvType::i8;
   const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
   float* const score = static_cast<float*>(ws.data);  // [kv_len]
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
-      const float* k_head = k + b * p.k.batch + kv_head * p.k.head;
-      const float* v_head = v + b * p.v.batch + kv_head * p.v.head;
+      // Row j of K: its elements and, for i8, its scale.
+      const auto k_row = [&](std::int64_t j) {
+        return mha::advance(k, type, b * p.k.batch + j * p.k.seq + kv_head * p.k.head,
+                            b * p.k_scale.batch + j * p.k_scale.seq + kv_head * p.k_scale.head);
+      };
+      const auto v_row = [&](std::int64_t j) {
+        return mha::advance(v, type, b * p.v.batch + j * p.v.seq + kv_head * p.v.head,
+                            b * p.v_scale.batch + j * p.v_scale.seq + kv_head * p.v_scale.head);
+      };
       for (std::int64_t i = 0; i < p.q_len; ++i) {
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
         float* o_row = o + b * p.o.batch + i * p.o.seq + h * p.o.head;
@@ -37,9 +49,12 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float*
         // below is NaN, so it still reaches the output.
         float m = -std::numeric_limits<float>::infinity();
         for (std::int64_t j = 0; j < n; ++j) {
-          const float* k_row = k_head + j * p.k.seq;
+          const mha::KvView row = k_row(j);
+          const float row_scale = i8 ? *row.scale : 1.0f;
           float dot = 0.0f;
-          for (std::int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * k_row[d];
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            dot += q_row[d] * mha::kv::value_at(type, row.data, d, row_scale);
+          }
           score[j] = p.scale * dot;
           m = score[j] > m ? score[j] : m;
         }
@@ -52,8 +67,11 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, const float*
 
         for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] = 0.0f;
         for (std::int64_t j = 0; j < n; ++j) {
-          const float* v_row = v_head + j * p.v.seq;
-          for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] += score[j] * v_row[d];
+          const mha::KvView row = v_row(j);
+          const float row_scale = i8 ? *row.scale : 1.0f;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            o_row[d] += score[j] * mha::kv::value_at(type, row.data, d, row_scale);
+          }
         }
         if (n > 0) {
           for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] /= sum;

@@ -18,8 +18,9 @@ std::size_t mha_f32_attention_xsimd_avx2_workspace(const mha::Problem& p) {
   return mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::workspace(p);
 }
 
-void mha_f32_attention_xsimd_avx2(const mha::Problem& p, const float* q, const float* k,
-                                  const float* v, float* o, float* lse, mha::Workspace ws) {
+void mha_f32_attention_xsimd_avx2(const mha::Problem& p, const float* q, mha::KvView k,
+                                  mha::KvView v, float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::run(p, q, k, v, o, lse, ws);
+  mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::run(
+      p, q, static_cast<const float*>(k.data), static_cast<const float*>(v.data), o, lse, ws);
 }

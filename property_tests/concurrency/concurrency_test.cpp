@@ -54,11 +54,11 @@
 // Kernels called directly, declared as a copied kernel's caller declares them: blocked under
 // the spy, and the Highway kernel's dynamically dispatched entry point (the registry calls
 // its per-target functions instead, so only this job reaches Highway's dispatch tables).
-void mha_f32_attention_blocked(const mha::Problem& p, const float* q, const float* k,
-                               const float* v, float* o, float* lse, mha::Workspace ws);
+void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+                               float* o, float* lse, mha::Workspace ws);
 std::size_t mha_f32_attention_blocked_workspace(const mha::Problem& p);
-void mha_f32_attention_highway(const mha::Problem& p, const float* q, const float* k,
-                               const float* v, float* o, float* lse, mha::Workspace ws);
+void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+                               float* o, float* lse, mha::Workspace ws);
 std::size_t mha_f32_attention_highway_workspace(const mha::Problem& p);
 
 namespace {
@@ -70,7 +70,7 @@ constexpr int kTeam = 4;     // the caller's OpenMP team in the OpenMP modes
 // Names from the lists themselves, so that building the job list calls nothing of the
 // library: its first use is the workers'.
 constexpr const char* kKernels[] = {
-#define MHA_KERNEL(name, isa, function, exp_ulp, tiled) #name,
+#define MHA_KERNEL(name, isa, function, exp_ulp, tiled, kv_types) #name,
 #include "registry.inc"
 #undef MHA_KERNEL
 };
@@ -246,7 +246,7 @@ thread_local long t_driver_caller = 0;
 std::atomic<int> g_widest_team{0};
 std::atomic<int> g_calls_elsewhere{0};
 
-void spy_kernel(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+void spy_kernel(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                 float* lse, mha::Workspace ws) {
   const int team = omp_get_num_threads();
   int widest = g_widest_team.load();

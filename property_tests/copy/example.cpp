@@ -35,7 +35,7 @@
 
 // From the kernel file, e.g. avx2.cpp. Call them only with a problem that passed mha::check,
 // and only on a CPU with the kernel's ISA: both are compiled with its flags.
-void MHA_EXAMPLE_FUNCTION(const mha::Problem& p, const float* q, const float* k, const float* v,
+void MHA_EXAMPLE_FUNCTION(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                           float* o, float* lse, mha::Workspace ws);
 std::size_t MHA_EXAMPLE_WORKSPACE(const mha::Problem& p);
 

@@ -10,8 +10,10 @@ namespace mha::test {
 namespace {
 
 template <Mutation M>
-void mutant(const Problem& p, const float* q, const float* k, const float* v, float* o, float* lse,
+void mutant(const Problem& p, const float* q, KvView k_view, KvView v_view, float* o, float* lse,
             Workspace) {
+  const auto* k = static_cast<const float*>(k_view.data);  // fp32 K and V (kKvF32 below)
+  const auto* v = static_cast<const float*>(v_view.data);
   const std::int64_t group = p.q_heads / p.kv_heads;
   const float scale = M == Mutation::scale_doubled ? 2.0f * p.scale : p.scale;
   const std::int64_t dot_dim =
@@ -66,16 +68,18 @@ std::size_t no_workspace(const Problem&) { return 0; }
 const std::vector<KernelInfo>& mutants() {
   static const std::vector<KernelInfo> list = {
       {"causal_off_by_one", Isa::scalar, &mutant<Mutation::causal_off_by_one>, &no_workspace, 1.0,
-       false},
+       false, kKvF32},
       {"no_max_subtraction", Isa::scalar, &mutant<Mutation::no_max_subtraction>, &no_workspace, 1.0,
-       false},
+       false, kKvF32},
       {"wrong_gqa_mapping", Isa::scalar, &mutant<Mutation::wrong_gqa_mapping>, &no_workspace, 1.0,
-       false},
-      {"scale_doubled", Isa::scalar, &mutant<Mutation::scale_doubled>, &no_workspace, 1.0, false},
-      {"key_skipped", Isa::scalar, &mutant<Mutation::key_skipped>, &no_workspace, 1.0, false},
+       false, kKvF32},
+      {"scale_doubled", Isa::scalar, &mutant<Mutation::scale_doubled>, &no_workspace, 1.0, false,
+       kKvF32},
+      {"key_skipped", Isa::scalar, &mutant<Mutation::key_skipped>, &no_workspace, 1.0, false,
+       kKvF32},
       {"dim_tail_dropped", Isa::scalar, &mutant<Mutation::dim_tail_dropped>, &no_workspace, 1.0,
-       false},
-      {"lse_base2", Isa::scalar, &mutant<Mutation::lse_base2>, &no_workspace, 1.0, false},
+       false, kKvF32},
+      {"lse_base2", Isa::scalar, &mutant<Mutation::lse_base2>, &no_workspace, 1.0, false, kKvF32},
   };
   return list;
 }

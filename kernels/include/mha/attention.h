@@ -21,6 +21,9 @@
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.
+// * K and V may be stored in fp16, bf16 or int8 with an fp32 scale per row (Problem::kv_type,
+//   mha/kv_types.h): a kernel widens each element exactly as it reads it (i8: q s, rounded
+//   once to fp32), and never expands the cache in memory.
 // * Floating-point environment: every kernel, and merge, computes under the default one
 //   (round to nearest, no flush-to-zero or denormals-are-zero, exceptions masked) whatever
 //   the caller set, and gives the caller's back on return: FpEnvGuard below.
@@ -44,6 +47,39 @@
 #endif
 
 namespace mha {
+
+/// The element type of K and V. Q, O and lse are always fp32.
+enum class KvType : std::uint8_t { f32, f16, bf16, i8 };
+
+/// "f32", "f16", "bf16" or "i8" (the names benchmarks carry, as in kv:f16).
+inline const char* kv_type_name(KvType t) {
+  switch (t) {
+    case KvType::f32:
+      return "f32";
+    case KvType::f16:
+      return "f16";
+    case KvType::bf16:
+      return "bf16";
+    case KvType::i8:
+      return "i8";
+  }
+  return "?";
+}
+
+/// Bytes of one stored element (an i8 row's scale is counted apart); 0 for a value outside the
+/// enum.
+inline std::size_t kv_type_bytes(KvType t) {
+  switch (t) {
+    case KvType::f32:
+      return 4;
+    case KvType::f16:
+    case KvType::bf16:
+      return 2;
+    case KvType::i8:
+      return 1;
+  }
+  return 0;
+}
 
 /// Element strides of a 4-D tensor indexed [batch][seq][head][dim]. The dim axis is always
 /// contiguous (stride 1). Input strides may be 0 (broadcast) and inputs may share memory.
@@ -71,9 +107,31 @@ struct Problem {
   std::int64_t head_dim = 1;
   bool causal = false;
   float scale = 1.0f;  ///< multiplies q.k; make_problem sets 1/sqrt(head_dim)
-  Strides q, k, v, o;
+  Strides q, k, v, o;  ///< in elements of each tensor's type (k, v: kv_type's)
   LseStrides lse;
+  /// The element type of k and v (mha/kv_types.h describes each). With i8, row (b, j, h) of
+  /// k holds the values k_i8[..][d] * k_scale[b][j][h], the scales fp32 in their own array
+  /// (KvView::scale) with strides k_scale (dim unused); likewise v. Ignored for other types.
+  KvType kv_type = KvType::f32;
+  Strides k_scale, v_scale;
 };
+
+/// K or V as a kernel reads it: the elements, of the problem's kv_type, and for i8 the
+/// per-row fp32 scales (null otherwise). Converts from any pointer, so an fp32 call reads
+/// fn(p, q, k, v, o, lse, ws) with float pointers, as before reduced-precision caches.
+struct KvView {
+  const void* data = nullptr;
+  const float* scale = nullptr;
+  KvView() = default;
+  KvView(const void* elements, const float* scales = nullptr) : data(elements), scale(scales) {}
+};
+
+/// x advanced by `offset` elements of type t and, for i8, its scales by `scale_offset`.
+inline KvView advance(const KvView& x, KvType t, std::int64_t offset, std::int64_t scale_offset) {
+  const auto bytes = static_cast<std::int64_t>(kv_type_bytes(t));
+  return KvView(static_cast<const unsigned char*>(x.data) + offset * bytes,
+                t == KvType::i8 ? x.scale + scale_offset : x.scale);
+}
 
 /// The two common memory layouts of one tensor.
 enum class Layout {
@@ -101,8 +159,9 @@ inline Strides dense_strides(Layout layout, std::int64_t len, std::int64_t heads
   return {sat_mul(sat_mul(heads, len), dim), dim, sat_mul(len, dim)};
 }
 
-/// A problem with dense tensors in `layout` (all four alike), lse dense [B][H][Lq] and
-/// scale = 1/sqrt(head_dim). Change single strides afterwards for mixed or padded layouts.
+/// A problem with dense tensors in `layout` (all four alike, and i8's scale arrays too: one
+/// per row), lse dense [B][H][Lq], scale = 1/sqrt(head_dim) and fp32 K and V. Change single strides
+/// afterwards for mixed or padded layouts.
 inline Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t kv_len,
                             std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
                             bool causal = false, Layout layout = Layout::token_major) {
@@ -118,6 +177,7 @@ inline Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t
       head_dim > 0 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))) : 1.0f;
   p.q = p.o = dense_strides(layout, q_len, q_heads, head_dim);
   p.k = p.v = dense_strides(layout, kv_len, kv_heads, head_dim);
+  p.k_scale = p.v_scale = dense_strides(layout, kv_len, kv_heads, 1);
   p.lse = {detail::sat_mul(q_heads, q_len), q_len};
   return p;
 }
@@ -145,15 +205,17 @@ struct Workspace {
 /// gives: the caller fails to allocate instead of lending a wrapped-around size.
 using WorkspaceSize = std::size_t (*)(const Problem& p);
 
-/// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k, v, o
-/// are non-null, outputs do not overlap inputs, ws holds at least the kernel's
-/// WorkspaceSize(p) bytes and overlaps no tensor. lse may be null (then it is not written).
+/// The kernel signature every variant shares. Preconditions: check(p) is empty, q, k.data,
+/// v.data, o are non-null (and k.scale, v.scale when p.kv_type is i8), p.kv_type is one the
+/// kernel reads (its registry entry's kv_types), outputs do not overlap inputs, ws holds at
+/// least the kernel's WorkspaceSize(p) bytes and overlaps no tensor. lse may be null (then
+/// it is not written).
 /// Every kernel file defines two functions, mha_f32_attention_<name> of this type and
 /// mha_f32_attention_<name>_workspace of type WorkspaceSize. The kernel holds an FpEnvGuard
 /// (below) for the call, so its results do not depend on the caller's floating-point
 /// environment and the caller's control bits are as they were on return.
-using Kernel = void (*)(const Problem& p, const float* q, const float* k, const float* v, float* o,
-                        float* lse, Workspace ws);
+using Kernel = void (*)(const Problem& p, const float* q, KvView k, KvView v, float* o, float* lse,
+                        Workspace ws);
 
 /// Runs the scope it lives in under the default floating-point environment, and gives the
 /// caller's back when the scope ends. Frameworks may set flush-to-zero and
@@ -380,6 +442,28 @@ inline std::string check(const Problem& p) {
     }
   }
 
+  if (kv_type_bytes(p.kv_type) == 0) {
+    return "kv_type (" + str(static_cast<int>(p.kv_type)) + ") is not a KvType";
+  }
+  if (p.kv_type == KvType::i8) {
+    const struct {
+      const char* name;
+      const Strides& st;
+    } scales[] = {{"k_scale", p.k_scale}, {"v_scale", p.v_scale}};
+    for (const auto& t : scales) {
+      const std::int64_t stride[3] = {t.st.batch, t.st.seq, t.st.head};
+      const std::int64_t extent[3] = {p.batch, p.kv_len, p.kv_heads};
+      if (stride[0] < 0 || stride[1] < 0 || stride[2] < 0) {
+        return std::string(t.name) + " strides {batch " + str(stride[0]) + ", seq " +
+               str(stride[1]) + ", head " + str(stride[2]) + "} must be >= 0";
+      }
+      std::int64_t highest = 0;
+      if (!detail::highest_offset(extent, stride, 3, &highest)) {
+        return "highest offset of " + std::string(t.name) + " overflows int64_t bytes";
+      }
+    }
+  }
+
   const std::int64_t lse_stride[3] = {p.lse.batch, p.lse.head, 1};
   const std::int64_t lse_extent[3] = {p.batch, p.q_heads, p.q_len};
   if (p.lse.batch < 0 || p.lse.head < 0) {
@@ -397,7 +481,8 @@ inline std::string check(const Problem& p) {
   return std::string();
 }
 
-/// Number of floats a tensor's buffer must hold: its highest offset + 1. Valid only for a
+/// Number of elements a tensor's buffer must hold: its highest offset + 1 (k and v: of
+/// p.kv_type). Valid only for a
 /// problem that passed check().
 inline std::int64_t extent(const Strides& st, std::int64_t batch, std::int64_t len,
                            std::int64_t heads, std::int64_t dim) {
@@ -414,6 +499,13 @@ inline std::int64_t v_extent(const Problem& p) {
 }
 inline std::int64_t o_extent(const Problem& p) {
   return extent(p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
+}
+/// Number of floats of an i8 problem's scale arrays: one per (batch, token, KV head) row.
+inline std::int64_t k_scale_extent(const Problem& p) {
+  return extent(p.k_scale, p.batch, p.kv_len, p.kv_heads, 1);
+}
+inline std::int64_t v_scale_extent(const Problem& p) {
+  return extent(p.v_scale, p.batch, p.kv_len, p.kv_heads, 1);
 }
 inline std::int64_t lse_extent(const Problem& p) {
   return (p.batch - 1) * p.lse.batch + (p.q_heads - 1) * p.lse.head + p.q_len;

@@ -30,37 +30,7 @@
 
 namespace mha {
 
-/// The element type of K and V. Q, O and lse are always fp32.
-enum class KvType : std::uint8_t { f32, f16, bf16, i8 };
-
-/// "f32", "f16", "bf16" or "i8" (the names benchmarks carry, as in kv:f16).
-inline const char* kv_type_name(KvType t) {
-  switch (t) {
-    case KvType::f32:
-      return "f32";
-    case KvType::f16:
-      return "f16";
-    case KvType::bf16:
-      return "bf16";
-    case KvType::i8:
-      return "i8";
-  }
-  return "?";
-}
-
-/// Bytes of one stored element (an i8 row's scale is counted apart).
-inline std::size_t kv_type_bytes(KvType t) {
-  switch (t) {
-    case KvType::f32:
-      return 4;
-    case KvType::f16:
-    case KvType::bf16:
-      return 2;
-    case KvType::i8:
-      return 1;
-  }
-  return 0;
-}
+// KvType, kv_type_name and kv_type_bytes are in mha/attention.h (Problem holds a KvType).
 
 namespace kv {
 
@@ -163,6 +133,41 @@ inline float quantize_i8_row(const float* x, std::int64_t n, std::int8_t* q) {
     q[j] = static_cast<std::int8_t>(v);
   }
   return scale;
+}
+
+/// What element i of a K or V row of type t stores, in fp32 (exact): the value itself for
+/// f32, f16 and bf16, the integer q for i8 (whose value is q times the row's scale).
+inline float stored_at(KvType t, const void* row, std::int64_t i) {
+  switch (t) {
+    case KvType::f16:
+      return f16_to_f32(static_cast<const std::uint16_t*>(row)[i]);
+    case KvType::bf16:
+      return bf16_to_f32(static_cast<const std::uint16_t*>(row)[i]);
+    case KvType::i8:
+      return static_cast<float>(static_cast<const std::int8_t*>(row)[i]);
+    case KvType::f32:
+      break;
+  }
+  return static_cast<const float*>(row)[i];
+}
+
+/// Element i's value as a kernel reads it, in fp32: stored_at, for i8 times the row's scale
+/// (one rounding; `scale` is ignored for the other types).
+inline float value_at(KvType t, const void* row, std::int64_t i, float scale) {
+  const float x = stored_at(t, row, i);
+  return t == KvType::i8 ? x * scale : x;
+}
+
+/// Rows [0, rows) of K or V (type t, elements `seq` apart, i8 scales `scale_seq` apart from
+/// `scales`) widened to fp32, dense: out[j][d] = value_at(row j, d), dim elements per row.
+inline void widen_rows(KvType t, const void* data, std::int64_t seq, const float* scales,
+                       std::int64_t scale_seq, std::int64_t rows, std::int64_t dim, float* out) {
+  const auto bytes = static_cast<std::int64_t>(kv_type_bytes(t));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    const void* row = static_cast<const unsigned char*>(data) + j * seq * bytes;
+    const float scale = t == KvType::i8 ? scales[j * scale_seq] : 1.0f;
+    for (std::int64_t d = 0; d < dim; ++d) out[j * dim + d] = value_at(t, row, d, scale);
+  }
 }
 
 }  // namespace kv

@@ -94,8 +94,8 @@ std::size_t parallel_workspace(WorkspaceSize kernel_workspace, const Problem& p,
 /// count's workspace serves); nothing is allocated, so a caller that keeps its workspace makes
 /// repeated calls allocation-free (OpenMP's own thread pool aside).
 void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Problem& p,
-                        const float* q, const float* k, const float* v, float* o, float* lse,
-                        int threads, Workspace ws);
+                        const float* q, KvView k, KvView v, float* o, float* lse, int threads,
+                        Workspace ws);
 
 /// How the GEMM driver cuts its jobs: into tiles of C of `rows` (whole panels of mr) by
 /// `cols` (whole panels of nr), each a kernel call over the whole depth k. No tile splits k,

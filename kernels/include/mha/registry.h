@@ -78,7 +78,17 @@ struct KernelInfo {
   WorkspaceSize workspace;  ///< the bytes of workspace fn needs
   double exp_ulp;
   bool tiled;
+  unsigned kv_types;  ///< the KvTypes it reads: bit kv_bit(t) for each
 };
+
+/// A KvType's bit in KernelInfo::kv_types.
+constexpr unsigned kv_bit(KvType t) { return 1u << static_cast<unsigned>(t); }
+constexpr unsigned kKvF32 = kv_bit(KvType::f32);  ///< fp32 K and V only
+constexpr unsigned kKvAll =                       ///< every KvType
+    kv_bit(KvType::f32) | kv_bit(KvType::f16) | kv_bit(KvType::bf16) | kv_bit(KvType::i8);
+
+/// Whether `kernel` reads K and V stored as t.
+inline bool reads(const KernelInfo& kernel, KvType t) { return (kernel.kv_types & kv_bit(t)) != 0; }
 
 /// Every kernel compiled into this build, in registry order (slowest first).
 const std::vector<KernelInfo>& all_kernels();
@@ -89,29 +99,30 @@ bool available(const KernelInfo& kernel);
 /// The kernel called `name`, or nullptr.
 const KernelInfo* find_kernel(const std::string& name);
 
-/// The last available kernel in registry order (the fastest this machine may use).
-const KernelInfo& best_kernel();
+/// The last available kernel in registry order that reads K and V stored as t (the fastest
+/// this machine may use for them).
+const KernelInfo& best_kernel(KvType t = KvType::f32);
 
 /// Why a call with these arguments would be invalid, or an empty string: check(p), null
 /// pointers, and outputs whose memory ranges overlap an input's or each other's.
-std::string check_call(const Problem& p, const float* q, const float* k, const float* v,
-                       const float* o, const float* lse);
+std::string check_call(const Problem& p, const float* q, KvView k, KvView v, const float* o,
+                       const float* lse);
 
 /// Validates (throwing std::invalid_argument with check_call's message) and runs the best
-/// available kernel through the parallel driver (mha/parallel.h) on `threads` threads
-/// (0: MHA_NUM_THREADS, else all cores; inside a caller's OpenMP parallel region the
+/// available kernel that reads p.kv_type through the parallel driver (mha/parallel.h) on `threads`
+/// threads (0: MHA_NUM_THREADS, else all cores; inside a caller's OpenMP parallel region the
 /// calling thread alone: call_threads). lse may be null. The output does not depend on
 /// the thread count, bit for bit. The driver's workspace is kept per calling thread and
 /// grown when a problem needs more: a call no larger than an earlier one on the same thread
 /// allocates nothing. When it cannot be grown, throws AllocationError (mha/attention.h)
 /// before writing anything; a later call that fits in memory works again.
-void attention(const Problem& p, const float* q, const float* k, const float* v, float* o,
-               float* lse = nullptr, int threads = 0);
+void attention(const Problem& p, const float* q, KvView k, KvView v, float* o, float* lse = nullptr,
+               int threads = 0);
 
-/// The same with a named kernel; throws std::invalid_argument when the name is unknown or
-/// the kernel is not available on this CPU.
-void attention(const std::string& kernel, const Problem& p, const float* q, const float* k,
-               const float* v, float* o, float* lse = nullptr, int threads = 0);
+/// The same with a named kernel; throws std::invalid_argument when the name is unknown, the
+/// kernel is not available on this CPU or does not read p.kv_type.
+void attention(const std::string& kernel, const Problem& p, const float* q, KvView k, KvView v,
+               float* o, float* lse = nullptr, int threads = 0);
 
 /// One GEMM kernel of kernels/gemm/gemm.inc (mha/gemm.h).
 struct GemmInfo {
