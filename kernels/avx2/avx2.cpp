@@ -547,8 +547,7 @@ std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) { return Loo
 void mha_f32_attention_avx2(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                             float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  Loops::run(p, q, static_cast<const float*>(k.data), static_cast<const float*>(v.data), o, lse,
-             ws);
+  Loops::run(p, q, k, v, o, lse, ws);
 }
 
 MHA_TARGET_END

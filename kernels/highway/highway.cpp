@@ -49,7 +49,7 @@ HWY_EXPORT(Run);
 HWY_EXPORT(Workspace);
 
 std::size_t DispatchWorkspace(const mha::Problem& p) { return HWY_DYNAMIC_DISPATCH(Workspace)(p); }
-void DispatchRun(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+void DispatchRun(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                  float* lse, mha::Workspace ws) {
   HWY_DYNAMIC_DISPATCH(Run)(p, q, k, v, o, lse, ws);
 }
@@ -63,8 +63,7 @@ std::size_t mha_f32_attention_highway_workspace(const mha::Problem& p) {
 void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                                float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  mha::highway_kernel::DispatchRun(p, q, static_cast<const float*>(k.data),
-                                   static_cast<const float*>(v.data), o, lse, ws);
+  mha::highway_kernel::DispatchRun(p, q, k, v, o, lse, ws);
 }
 
 // One target's entry points. The registry lists exactly these targets, so each must be built.
@@ -77,8 +76,7 @@ void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvVie
   void mha_f32_attention_highway_##name(const mha::Problem& p, const float* q, mha::KvView k,     \
                                         mha::KvView v, float* o, float* lse, mha::Workspace ws) { \
     const mha::FpEnvGuard default_fp_env;                                                         \
-    mha::highway_kernel::N_##TARGET::Run(p, q, static_cast<const float*>(k.data),                 \
-                                         static_cast<const float*>(v.data), o, lse, ws);          \
+    mha::highway_kernel::N_##TARGET::Run(p, q, k, v, o, lse, ws);                                 \
   }
 
 #if HWY_ARCH_X86_64

@@ -481,7 +481,7 @@ struct Ops {
 
 inline std::size_t Workspace(const mha::Problem& p) { return tiled::Loops<Ops>::workspace(p); }
 
-inline void Run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+inline void Run(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                 float* lse, mha::Workspace ws) {
   tiled::Loops<Ops>::run(p, q, k, v, o, lse, ws);
 }

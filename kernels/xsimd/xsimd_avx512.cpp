@@ -21,6 +21,5 @@ std::size_t mha_f32_attention_xsimd_avx512_workspace(const mha::Problem& p) {
 void mha_f32_attention_xsimd_avx512(const mha::Problem& p, const float* q, mha::KvView k,
                                     mha::KvView v, float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  mha::xsimd_kernel::Attention<xsimd::avx512f>::run(p, q, static_cast<const float*>(k.data),
-                                                    static_cast<const float*>(v.data), o, lse, ws);
+  mha::xsimd_kernel::Attention<xsimd::avx512f>::run(p, q, k, v, o, lse, ws);
 }

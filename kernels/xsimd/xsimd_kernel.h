@@ -493,7 +493,7 @@ struct Attention {
     return tiled::Loops<Attention>::workspace(p);
   }
 
-  static void run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+  static void run(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                   float* lse, mha::Workspace ws) {
     tiled::Loops<Attention>::run(p, q, k, v, o, lse, ws);
   }

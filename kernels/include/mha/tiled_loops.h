@@ -62,6 +62,14 @@
 //   decode_pv(w, cols, v, v_seq, dim, acc, alpha)  acc = alpha acc + sum_{j < cols} w[j] v_j
 //                          over dim columns (acc's length: dim rounded up to W)
 //
+// K and V stored as f16, bf16 or i8 (p.kv_type): each tile's rows are widened to fp32 into
+// a scratch tile (widen_rows, in loops the compiler vectorizes for the includer's ISA; the
+// values are mha::kv::value_at's), which the same pieces then read: prefill packs K and V
+// from it, decode reads it in place of the cache, from L1, for all the KV head's rows. So
+// the policy has no piece per type, the cache is read once per tile in its own type, and
+// values a type holds exactly give the fp32 path's bits. fp32 takes the loops without the
+// step, unchanged.
+//
 // Not avx512 or neon: their loops differ, not only their pieces. avx512 is transposed (query
 // rows along the lanes, 32-row strips, K and V copied to an odd-cache-line stride instead of
 // packed into panels, a masked second pass over the causal diagonal); neon is blocked's
@@ -98,6 +106,71 @@ struct Loops {
 
   static float neg_inf() { return -std::numeric_limits<float>::infinity(); }
 
+  // ---- K and V of a reduced type ------------------------------------------------------
+
+  // f16 bits to fp32, exact, without a branch the vectorizer cannot flatten: the exponent and
+  // fraction moved into fp32's places and scaled by 2^112 (exact for normal and subnormal
+  // halves alike), infinities and NaNs given fp32's all-ones exponent, the sign put back.
+  static float f16_bits_to_f32(std::uint32_t h) {
+    const std::uint32_t magnitude = h & 0x7FFFu;
+    const float scaled = __builtin_bit_cast(float, magnitude << 13) * 0x1p112f;
+    const std::uint32_t special = 0u - static_cast<std::uint32_t>(magnitude >= 0x7C00u);
+    const std::uint32_t bits = (__builtin_bit_cast(std::uint32_t, scaled) & ~special) |
+                               (((magnitude << 13) | 0x7F800000u) & special);
+    return __builtin_bit_cast(float, bits | ((h & 0x8000u) << 16));
+  }
+
+  // Rows [0, rows) of K or V stored as t (elements `seq` apart; i8: scales `scale_seq` apart
+  // from `scales`) as fp32 rows `dim` apart in out: mha::kv::value_at's values.
+  static void widen_rows(mha::KvType t, const void* src, std::int64_t seq, const float* scales,
+                         std::int64_t scale_seq, std::int64_t rows, std::int64_t dim, float* out) {
+    for (std::int64_t j = 0; j < rows; ++j) {
+      float* o = out + j * dim;
+      switch (t) {
+        case mha::KvType::f16: {
+          const std::uint16_t* x = static_cast<const std::uint16_t*>(src) + j * seq;
+          for (std::int64_t d = 0; d < dim; ++d) o[d] = f16_bits_to_f32(x[d]);
+          break;
+        }
+        case mha::KvType::bf16: {
+          const std::uint16_t* x = static_cast<const std::uint16_t*>(src) + j * seq;
+          for (std::int64_t d = 0; d < dim; ++d) {
+            o[d] = __builtin_bit_cast(float, static_cast<std::uint32_t>(x[d]) << 16);
+          }
+          break;
+        }
+        case mha::KvType::i8: {
+          const std::int8_t* x = static_cast<const std::int8_t*>(src) + j * seq;
+          const float s = scales[j * scale_seq];
+          for (std::int64_t d = 0; d < dim; ++d) o[d] = static_cast<float>(x[d]) * s;
+          break;
+        }
+        case mha::KvType::f32: {
+          const float* x = static_cast<const float*>(src) + j * seq;
+          std::copy(x, x + dim, o);
+          break;
+        }
+      }
+    }
+  }
+
+  // Rows [c0, c0 + keys) of one KV head of K or V (x advanced to the head's first row) as fp32
+  // rows: `rows` and their stride `seq` are set to the cache's own for f32, else to `wide`'s,
+  // into which they are widened.
+  static void tile_rows(const mha::Problem& p, const mha::KvView& x, const mha::Strides& st,
+                        const mha::Strides& scale_st, std::int64_t c0, std::int64_t keys,
+                        float* wide, const float** rows, std::int64_t* seq) {
+    const mha::KvView tile = mha::advance(x, p.kv_type, c0 * st.seq, c0 * scale_st.seq);
+    if (p.kv_type == mha::KvType::f32) {
+      *rows = static_cast<const float*>(tile.data);
+      *seq = st.seq;
+      return;
+    }
+    widen_rows(p.kv_type, tile.data, st.seq, tile.scale, scale_st.seq, keys, p.head_dim, wide);
+    *rows = wide;
+    *seq = p.head_dim;
+  }
+
   // scale log2(e), rounded once: the logits' base change (the tolerance's rounded log2(e)).
   static float logit_scale(const mha::Problem& p) {
     return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
@@ -120,6 +193,7 @@ struct Loops {
     float* l;            // [R]: running sums
     float* alpha;        // [RM]: this tile's rescale factors
     std::int64_t* cols;  // [R]: keys of this tile each row sees
+    float* wide;         // [Bc][head_dim]: a K or V tile widened (kv_type not f32; else null)
   };
 
   // Br: mha::support::packed_rows_per_head's rule (its comment gives the rule and its
@@ -152,6 +226,7 @@ struct Loops {
     s.l = carve.take<float>(rows);
     s.alpha = carve.take<float>(padded);
     s.cols = carve.take<std::int64_t>(rows);
+    s.wide = p.kv_type == mha::KvType::f32 ? nullptr : carve.take<float>(kKeys * dim);
     return s;
   }
 
@@ -271,36 +346,52 @@ struct Loops {
     }
   }
 
-  static void prefill(const mha::Problem& p, const float* q, const float* k, const float* v,
-                      float* o, float* lse, mha::Workspace ws) {
+  // The first row of block's KV head in x (K or V), and for i8 its scale.
+  static mha::KvView kv_head(const mha::Problem& p, const Block& block, const mha::KvView& x,
+                             const mha::Strides& st, const mha::Strides& scale_st) {
+    return mha::advance(x, p.kv_type, block.batch * st.batch + block.kv_head * st.head,
+                        block.batch * scale_st.batch + block.kv_head * scale_st.head);
+  }
+
+  // kTyped: K and V of a reduced type, each tile widened into s.wide before it is packed
+  // (no software prefetch: the widening reads each tile in one sequential pass).
+  template <bool kTyped>
+  static void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
+                      float* lse, mha::Workspace ws) {
     const std::int64_t dim = p.head_dim, panel = K::panel();
     const float c = logit_scale(p);
     Carve workspace(ws.data);
     const Scratch s = carve(p, workspace);
     mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
       start_block(p, block, q, s);
-      const float* k_head = block.k_head(p, k);
-      const float* v_head = block.v_head(p, v);
+      const mha::KvView k_head = kv_head(p, block, k, p.k, p.k_scale);
+      const mha::KvView v_head = kv_head(p, block, v, p.v, p.v_scale);
       const std::int64_t block_keys = block.keys(p);
       for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
         const std::int64_t keys = std::min(kKeys, block_keys - c0);
-        const float* k_tile = k_head + c0 * p.k.seq;
-        const float* v_tile = v_head + c0 * p.v.seq;
         for (std::int64_t t = 0; t < block.rows; ++t)
           s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
-        // V of this tile arrives during S, K of the next one during P V.
-        const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
-        RowPrefetch v_ahead(v_tile, p.v.seq, keys, dim,
-                            groups(block) * mha::support::ceil_div(keys, panel));
-        RowPrefetch k_ahead;
-        if (next_keys > 0) {
-          k_ahead = RowPrefetch(k_tile + kKeys * p.k.seq, p.k.seq, next_keys, dim,
-                                groups(block) * (s.dim_p / panel));
+        RowPrefetch v_ahead, k_ahead;
+        if constexpr (!kTyped) {
+          // V of this tile arrives during S, K of the next one during P V.
+          const float* k_tile = static_cast<const float*>(k_head.data) + c0 * p.k.seq;
+          const float* v_tile = static_cast<const float*>(v_head.data) + c0 * p.v.seq;
+          const std::int64_t next_keys = std::min(kKeys, block_keys - c0 - kKeys);
+          v_ahead = RowPrefetch(v_tile, p.v.seq, keys, dim,
+                                groups(block) * mha::support::ceil_div(keys, panel));
+          if (next_keys > 0) {
+            k_ahead = RowPrefetch(k_tile + kKeys * p.k.seq, p.k.seq, next_keys, dim,
+                                  groups(block) * (s.dim_p / panel));
+          }
         }
-        K::pack_k(k_tile, p.k.seq, keys, dim, s.kp);
+        const float* rows = nullptr;
+        std::int64_t seq = 0;
+        tile_rows(p, k_head, p.k, p.k_scale, c0, keys, s.wide, &rows, &seq);
+        K::pack_k(rows, seq, keys, dim, s.kp);
         tile_logits(p, block, keys, c, s, v_ahead);
         tile_softmax(block, s);
-        K::pack_v(v_tile, p.v.seq, keys, dim, s.vp);
+        tile_rows(p, v_head, p.v, p.v_scale, c0, keys, s.wide, &rows, &seq);
+        K::pack_v(rows, seq, keys, dim, s.vp);
         tile_pv(block, keys, s, k_ahead);
       }
       finish_block(p, block, s, o, lse);
@@ -321,6 +412,8 @@ struct Loops {
     std::int64_t dim_w;      // head_dim rounded up to W: an accumulator's length
     float* acc;              // [rows][dim_w]: O
     float* weights;          // [tile_keys]: one row's logits, then its weights
+    float* k_wide;           // [tile_keys][head_dim]: the tile's K widened (kv_type not f32)
+    float* v_wide;           // [tile_keys][head_dim]: and its V
   };
 
   static DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
@@ -330,6 +423,11 @@ struct Loops {
     s.dim_w = mha::support::round_up(p.head_dim, K::lanes());
     s.acc = carve.take<float>(rows * s.dim_w);
     s.weights = carve.take<float>(s.tile_keys);
+    s.k_wide = s.v_wide = nullptr;
+    if (p.kv_type != mha::KvType::f32) {
+      s.k_wide = carve.take<float>(s.tile_keys * p.head_dim);
+      s.v_wide = carve.take<float>(s.tile_keys * p.head_dim);
+    }
     return s;
   }
 
@@ -339,19 +437,43 @@ struct Loops {
   // no per-line state (with RowPrefetch's, the bookkeeping cost avx2 4.4 ns per row and key).
   // Inlined: called out of line from the S loop, avx2's decode from memory (g = 4) ran 28-38
   // ns per row and key instead of 23-31 (the call clobbers every vector register).
-  static MHA_ALWAYS_INLINE void prefetch_rows(const float* k, std::int64_t k_seq, const float* v,
+  // T: float, or unsigned char for rows of another type counted in bytes.
+  template <class T>
+  static MHA_ALWAYS_INLINE void prefetch_rows(const T* k, std::int64_t k_seq, const T* v,
                                               std::int64_t v_seq, std::int64_t n,
                                               std::int64_t dim) {
+    constexpr std::int64_t kLine = 64 / sizeof(T);
     for (std::int64_t i = 0; i < n; ++i) {
-      const float* k_row = k + i * k_seq;
-      const float* v_row = v + i * v_seq;
-      for (std::int64_t d = 0; d < dim; d += 16) {
+      const T* k_row = k + i * k_seq;
+      const T* v_row = v + i * v_seq;
+      for (std::int64_t d = 0; d < dim; d += kLine) {
         __builtin_prefetch(k_row + d, 0, 2);
         __builtin_prefetch(v_row + d, 0, 2);
       }
       __builtin_prefetch(k_row + dim - 1, 0, 2);
       __builtin_prefetch(v_row + dim - 1, 0, 2);
     }
+  }
+
+  // One row's step over `cols` keys of a tile of fp32 rows: S, the online softmax (m, l) and
+  // acc = alpha acc + P V; `step` runs after each kDotKeys keys of S. decode_rows spells the
+  // same step out: through this function (m and l by reference), avx2's and xsimd-avx2's
+  // fp32 decode with K and V in L3 took 1.15-1.2 times as long (Zen 4).
+  template <class Step>
+  static MHA_ALWAYS_INLINE void decode_row(const float* q_row, const float* k_tile,
+                                           std::int64_t k_seq, const float* v_tile,
+                                           std::int64_t v_seq, std::int64_t cols, std::int64_t dim,
+                                           float c, const DecodeScratch& s, float* acc, float& m,
+                                           float& l, const Step& step) {
+    const float tile_max = K::decode_logits(q_row, k_tile, k_seq, cols, dim, c, s.weights, step);
+    float alpha = 1.0f;
+    if (tile_max > m) {
+      alpha = std::exp2(m - tile_max);  // exactly 0 when the old max is -inf
+      m = tile_max;
+    }
+    const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(m));
+    l = l * alpha + sum;
+    K::decode_pv(s.weights, cols, v_tile, v_seq, dim, acc, alpha);
   }
 
   // Prefetch: the next tile's K and V rows, spread over the S steps of every row (a few whole
@@ -420,6 +542,66 @@ struct Loops {
     });
   }
 
+  // decode_rows for K and V of a reduced type: each tile's K and V rows widened into
+  // s.k_wide and s.v_wide (in L1: decode_tile_keys sizes a tile for its K and V in fp32)
+  // before the rows read them, and the next tile's rows prefetched, as stored, the same way.
+  static void decode_rows_typed(const mha::Problem& p, const float* q, const mha::KvView& k,
+                                const mha::KvView& v, float* o, float* lse, mha::Workspace ws) {
+    const std::int64_t dim = p.head_dim;
+    const std::int64_t rows = decode_rows_per_kv_head(p);  // < kDecodeRows
+    Carve workspace(ws.data);
+    const DecodeScratch s = carve_decode(p, workspace);
+    const std::int64_t tile_keys = s.tile_keys;
+    const float c = logit_scale(p);
+    const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
+    const auto bytes = static_cast<std::int64_t>(mha::kv_type_bytes(p.kv_type));
+    const std::int64_t k_seq = p.k.seq * bytes, v_seq = p.v.seq * bytes, row = dim * bytes;
+
+    mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+      const mha::KvView k_head = kv_head(p, block, k, p.k, p.k_scale);
+      const mha::KvView v_head = kv_head(p, block, v, p.v, p.v_scale);
+      const auto* k_bytes = static_cast<const unsigned char*>(k_head.data);
+      const auto* v_bytes = static_cast<const unsigned char*>(v_head.data);
+      float ms[kDecodeRows], ls[kDecodeRows];
+      std::fill(ms, ms + rows, neg_inf());
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
+      const std::int64_t block_keys = block.keys(p);
+      prefetch_rows(k_bytes, k_seq, v_bytes, v_seq, std::min(tile_keys, block_keys), row);
+
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
+        const std::int64_t next =
+            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
+        const float *k_tile = nullptr, *v_tile = nullptr;
+        std::int64_t k_rows = 0, v_rows = 0;  // their strides: dim
+        tile_rows(p, k_head, p.k, p.k_scale, c0, keys, s.k_wide, &k_tile, &k_rows);
+        tile_rows(p, v_head, p.v, p.v_scale, c0, keys, s.v_wide, &v_tile, &v_rows);
+        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
+        std::int64_t done = 0;  // of the next tile's rows
+        const auto prefetch_step = [&done, rows_per_step, next, k_seq, v_seq, row,
+                                    k_next = k_bytes + (c0 + tile_keys) * k_seq,
+                                    v_next = v_bytes + (c0 + tile_keys) * v_seq] {
+          if (const std::int64_t n = std::min(rows_per_step, next - done); n > 0) {
+            prefetch_rows(k_next + done * k_seq, k_seq, v_next + done * v_seq, v_seq, n, row);
+            done += n;
+          }
+        };
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+          if (cols == 0) continue;
+          decode_row(block.q_row(p, q, t), k_tile, k_rows, v_tile, v_rows, cols, dim, c, s,
+                     s.acc + t * s.dim_w, ms[t], ls[t], prefetch_step);
+        }
+      }
+
+      for (std::int64_t t = 0; t < rows; ++t) {
+        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
+                      block.o_row(p, o, t), block.lse_at(p, lse, t));
+      }
+    });
+  }
+
   // ---- Entry points -------------------------------------------------------------------
 
   static std::size_t workspace(const mha::Problem& p) {
@@ -434,12 +616,20 @@ struct Loops {
   }
 
   // Computes what mha/attention.h specifies; the caller holds the mha::FpEnvGuard.
-  static void run(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
-                  float* lse, mha::Workspace ws) {
+  static void run(const mha::Problem& p, const float* q, const mha::KvView& k, const mha::KvView& v,
+                  float* o, float* lse, mha::Workspace ws) {
+    const bool typed = p.kv_type != mha::KvType::f32;
     if (decodes(p)) {
-      decode_rows(p, q, k, v, o, lse, ws);
+      if (typed) {
+        decode_rows_typed(p, q, k, v, o, lse, ws);
+      } else {
+        decode_rows(p, q, static_cast<const float*>(k.data), static_cast<const float*>(v.data), o,
+                    lse, ws);
+      }
+    } else if (typed) {
+      prefill<true>(p, q, k, v, o, lse, ws);
     } else {
-      prefill(p, q, k, v, o, lse, ws);
+      prefill<false>(p, q, k, v, o, lse, ws);
     }
   }
 };
