@@ -19,7 +19,7 @@
 # detects at run time. README.md's copy table shows them for the kernels that take them;
 # the ctest copy/readme-flags checks it (cmake/check_readme_flags.cmake). GCC and Clang
 # spelling. NEON is AArch64's baseline: its list is defined and empty.
-set(MHA_ISA_FLAGS_avx2 -mavx2 -mfma)
+set(MHA_ISA_FLAGS_avx2 -mavx2 -mfma -mf16c)
 set(MHA_ISA_FLAGS_avx512 -mavx512f -mavx512vl -mavx512dq -mavx512bw -mfma)
 set(MHA_ISA_FLAGS_neon "")
 

@@ -59,7 +59,14 @@ bool cpuid7_bit(unsigned subleaf, bool in_ecx, unsigned bit) {
   if (__get_cpuid_count(7, subleaf, &eax, &ebx, &ecx, &edx) == 0) return false;
   return (((in_ecx ? ecx : eax) >> bit) & 1u) != 0;
 }
-bool cpu_has_vaes() { return cpuid7_bit(0, true, 9); }       // CPUID.(7, 0):ECX[9]
+bool cpu_has_vaes() { return cpuid7_bit(0, true, 9); }  // CPUID.(7, 0):ECX[9]
+// F16C: GCC 12's and clang 14's __builtin_cpu_supports do not know it. Read beside avx2,
+// whose check covers the OS's saving of the ymm registers it uses.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return ((ecx >> 29) & 1u) != 0;  // CPUID.1:ECX[29]
+}
 bool cpu_has_avx_vnni() { return cpuid7_bit(1, false, 4); }  // CPUID.(7, 1):EAX[4]
 #endif
 

@@ -36,8 +36,8 @@
 // decode 0.95-1.01; callgrind counted 0.995-0.998 times the instructions per prefill call
 // and 1.005 per decode call.
 //
-// ISA: AVX2 + FMA, for all code below the includes (MHA_TARGET_BEGIN, mha/support.h: the file
-// needs no flags), which runs only when the CPU has them: 8-float ymm vectors, 16 registers.
+// ISA: AVX2 + FMA + F16C, for all code below the includes (MHA_TARGET_BEGIN, mha/support.h: the
+// file needs no flags), which runs only when the CPU has them: 8-float ymm vectors, 16 registers.
 // Both microkernels hold a 6 x 2 grid of ymm accumulators (12 registers; 2 for the streamed
 // operand, 1 for a broadcast): 12 independent FMA chains cover 2 FMA ports x 4 cycles of
 // latency with slack, and each step issues 2 vector loads and 6 broadcasts (load-port
@@ -129,12 +129,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "mha/attention.h"
 #include "mha/support.h"
 
-MHA_TARGET_BEGIN("avx2,fma")
+MHA_TARGET_BEGIN("avx2,fma,f16c")
 namespace {
 
 #include "mha/tiled_loops.h"  // the loops: inside this file's namespace and target region
@@ -245,6 +246,7 @@ __m256 sum_lanes8(const __m256 (&a)[8]) {
 struct Avx2 {
   static constexpr int kRows = 6;  // MR: query rows per microkernel group
   static constexpr bool kWholeGroups = false;
+  static constexpr bool kKvDecode = true;     // decode_logits_kv, decode_pv_kv below
   static constexpr std::int64_t kPanel = 16;  // keys per K panel = columns per V panel (2 ymm)
   static constexpr std::int64_t lanes() { return 8; }
   static constexpr std::int64_t panel() { return kPanel; }
@@ -533,6 +535,150 @@ struct Avx2 {
         constexpr int kVectors = decltype(vectors)::value;
         add_weighted_rows<kVectors>(w, cols, v + d0, v_seq, n - 8 * (kVectors - 1), acc + d0,
                                     alpha);
+      });
+    }
+  }
+
+  // ---- Decode over K and V of a reduced type (tiled_loops.h: decode_rows_kv) ----------
+  // The steps above with each element converted as it is loaded, so that the cache is read
+  // once, in its own type, and nothing is written back: f16 by F16C (VCVTPH2PS), bf16 by a
+  // 16-bit shift, i8 by sign extension and VCVTDQ2PS. An i8 row's scale multiplies the
+  // key's finished logit (c q.k_j s_j) and the row's weight (w_j s_j): one rounding each,
+  // as the tolerance's step 6 allows. Rows `seq` elements apart, scales `scale_seq` apart.
+
+  // 8 elements from element i of a row of type T, as floats.
+  template <mha::KvType T>
+  static __m256 load_kv(const void* row, std::int64_t i) {
+    if constexpr (T == mha::KvType::f16) {
+      const auto* x = static_cast<const std::uint16_t*>(row) + i;
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    } else if constexpr (T == mha::KvType::bf16) {
+      const auto* x = static_cast<const std::uint16_t*>(row) + i;
+      const __m256i wide =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    } else {
+      static_assert(T == mha::KvType::i8);
+      const auto* x = static_cast<const std::int8_t*>(row) + i;
+      return _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+    }
+  }
+
+  // n elements (1 .. 8) from element i, lanes past n 0; memory past them is not touched.
+  template <mha::KvType T>
+  static __m256 load_kv_part(const void* row, std::int64_t i, std::int64_t n) {
+    if (n >= 8) return load_kv<T>(row, i);
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    alignas(16) unsigned char buf[16] = {};
+    std::memcpy(buf, static_cast<const unsigned char*>(row) + i * kBytes,
+                static_cast<std::size_t>(n * kBytes));
+    return load_kv<T>(buf, 0);
+  }
+
+  // dot_keys over key rows of type T.
+  template <int NK, mha::KvType T>
+  static __m256 dot_keys_kv(const float* q, const void* k, std::int64_t k_seq, std::int64_t dim) {
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const auto* kb = static_cast<const unsigned char*>(k);
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (__m256& x : a) x = _mm256_setzero_ps();
+    std::int64_t d0 = 0;
+    for (; d0 + 32 <= dim; d0 += 32) {
+      __m256 qv[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) qv[c] = _mm256_loadu_ps(q + d0 + 8 * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < NK; ++i) {
+        const unsigned char* key = kb + i * k_seq * kBytes;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          a[i] = _mm256_fmadd_ps(qv[c], load_kv<T>(key, d0 + 8 * c), a[i]);
+      }
+    }
+    for (; d0 < dim; d0 += 8) {
+      const __m256 qv = load_part(q + d0, dim - d0);
+#pragma GCC unroll 8
+      for (int i = 0; i < NK; ++i) {
+        a[i] = _mm256_fmadd_ps(qv, load_kv_part<T>(kb + i * k_seq * kBytes, d0, dim - d0), a[i]);
+      }
+    }
+    return sum_lanes8(a);
+  }
+
+  // add_weighted_rows over value rows of type T.
+  template <int NV, mha::KvType T>
+  static void add_weighted_rows_kv(const float* w, std::int64_t cols, const void* v,
+                                   std::int64_t v_seq, std::int64_t last, float* acc, float alpha) {
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const auto* vb = static_cast<const unsigned char*>(v);
+    const __m256 av = _mm256_set1_ps(alpha);
+    __m256 o[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), av);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const __m256 wj = _mm256_broadcast_ss(w + j);
+      const unsigned char* row = vb + j * v_seq * kBytes;
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) {
+        const __m256 x =
+            c + 1 == NV && last < 8 ? load_kv_part<T>(row, 8 * c, last) : load_kv<T>(row, 8 * c);
+        o[c] = _mm256_fmadd_ps(wj, x, o[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
+  }
+
+  // decode_logits over K of type T (k: the tile's first row; k_scale: its scale, i8 only).
+  template <mha::KvType T, class Step>
+  static MHA_ALWAYS_INLINE float decode_logits_kv(const float* q, const void* k, std::int64_t k_seq,
+                                                  const float* k_scale, std::int64_t k_scale_seq,
+                                                  std::int64_t cols, std::int64_t dim, float c,
+                                                  float* w, const Step& after_step) {
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const __m256 logit_scale = _mm256_set1_ps(c);
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kDotKeys) {
+      const std::int64_t nk = std::min(kDotKeys, cols - j0);
+      const void* key0 = static_cast<const unsigned char*>(k) + j0 * k_seq * kBytes;
+      __m256 dots;
+      mha::support::with_count<kDotKeys>(nk, [&](auto count) {
+        dots = dot_keys_kv<decltype(count)::value, T>(q, key0, k_seq, dim);
+      });
+      after_step();
+      __m256 x = _mm256_mul_ps(dots, logit_scale);
+      if constexpr (T == mha::KvType::i8) {
+        alignas(32) float s[8] = {};
+        for (std::int64_t i = 0; i < nk; ++i) s[i] = k_scale[(j0 + i) * k_scale_seq];
+        x = _mm256_mul_ps(x, _mm256_load_ps(s));
+      }
+      _mm256_storeu_ps(w + j0, x);
+      mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(first_lanes(nk)));
+    }
+    return horizontal_max(mv);
+  }
+
+  // decode_pv over V of type T (i8: w[j] becomes w[j] s_j first).
+  static MHA_ALWAYS_INLINE void scale_weights(float* w, std::int64_t cols, const float* v_scale,
+                                              std::int64_t v_scale_seq) {
+    for (std::int64_t j = 0; j < cols; ++j) w[j] *= v_scale[j * v_scale_seq];
+  }
+  template <mha::KvType T>
+  static MHA_ALWAYS_INLINE void decode_pv_kv(float* w, std::int64_t cols, const void* v,
+                                             std::int64_t v_seq, const float* v_scale,
+                                             std::int64_t v_scale_seq, std::int64_t dim, float* acc,
+                                             float alpha) {
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    if constexpr (T == mha::KvType::i8) scale_weights(w, cols, v_scale, v_scale_seq);
+    for (std::int64_t d0 = 0; d0 < dim; d0 += kPvColumns) {
+      const std::int64_t n = std::min(kPvColumns, dim - d0);
+      mha::support::with_count<kPvColumns / 8>((n + 7) / 8, [&](auto vectors) {
+        constexpr int kVectors = decltype(vectors)::value;
+        add_weighted_rows_kv<kVectors, T>(w, cols,
+                                          static_cast<const unsigned char*>(v) + d0 * kBytes, v_seq,
+                                          n - 8 * (kVectors - 1), acc + d0, alpha);
       });
     }
   }

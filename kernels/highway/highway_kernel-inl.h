@@ -422,6 +422,7 @@ HWY_INLINE float DecodeWeights(float* w, std::int64_t cols, float shift) {
 struct Ops {
   static constexpr int kRows = HWY_NAMESPACE::kRows;
   static constexpr bool kWholeGroups = true;  // MHA_HWY_ROWS: a group computes all MR rows
+  static constexpr bool kKvDecode = false;    // reduced K, V: the loops widen each tile
   static constexpr std::int64_t kDotKeys = HWY_NAMESPACE::kDotKeys;
   static std::int64_t lanes() { return Lanes(); }
   static std::int64_t panel() { return Panel(); }

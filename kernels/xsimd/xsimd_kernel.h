@@ -51,7 +51,7 @@
 //
 // The ISA. xsimd 8 takes its architectures from the compiler's ISA macros (__AVX2__ and the
 // others), so the file that instantiates this header is compiled with its ISA's flags
-// (xsimd_avx2.cpp with -mavx2 -mfma; cmake/isa.cmake). But a file compiled with -mavx2
+// (xsimd_avx2.cpp with -mavx2 -mfma -mf16c; cmake/isa.cmake). But a file compiled with -mavx2
 // makes AVX2 code of every inline function of the standard library and of mha/support.h
 // that it uses out of line, and the linker may keep that copy for every other caller: SIGILL
 // on an older CPU (cmake/check_isa_symbols.cmake). So on x86-64 this header includes all of
@@ -138,6 +138,7 @@ struct Attention {
   static constexpr bool kWholeGroups = false;          // microkernels for 1 .. MR rows
   static constexpr std::int64_t kKeys = tiled::kKeys;  // Bc: keys per KV tile, S's row stride
   static constexpr std::int64_t kDotKeys = kWidth;     // keys per dot_keys call (one haddp)
+  static constexpr bool kKvDecode = false;             // reduced K, V: the loops widen each tile
   static constexpr int kDotVectors = 4;                // q vectors in registers in dot_keys
   static constexpr int kPvVectors = 8;                 // O vectors per add_weighted_rows call
   static_assert(kKeys % kPanel == 0 && kWidth <= 64);

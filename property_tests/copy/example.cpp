@@ -21,6 +21,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 #include "mha/attention.h"
 
 #ifndef MHA_EXAMPLE_KERNEL
@@ -140,8 +144,12 @@ bool cpu_runs(const std::string& kernel) {
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("fma");
   }
-  if (ends_with(kernel, "avx2"))
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (ends_with(kernel, "avx2")) {
+    // F16C (avx2's decode of an f16 cache) is CPUID.1:ECX[29]: the builtin does not know it.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && ((ecx >> 29) & 1u) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+  }
 #endif
   (void)kernel;
   return true;

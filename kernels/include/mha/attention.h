@@ -52,7 +52,7 @@ namespace mha {
 enum class KvType : std::uint8_t { f32, f16, bf16, i8 };
 
 /// "f32", "f16", "bf16" or "i8" (the names benchmarks carry, as in kv:f16).
-inline const char* kv_type_name(KvType t) {
+constexpr const char* kv_type_name(KvType t) {
   switch (t) {
     case KvType::f32:
       return "f32";
@@ -68,7 +68,7 @@ inline const char* kv_type_name(KvType t) {
 
 /// Bytes of one stored element (an i8 row's scale is counted apart); 0 for a value outside the
 /// enum.
-inline std::size_t kv_type_bytes(KvType t) {
+constexpr std::size_t kv_type_bytes(KvType t) {
   switch (t) {
     case KvType::f32:
       return 4;

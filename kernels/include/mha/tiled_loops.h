@@ -61,6 +61,12 @@
 //                          multiple of W; returns their sum
 //   decode_pv(w, cols, v, v_seq, dim, acc, alpha)  acc = alpha acc + sum_{j < cols} w[j] v_j
 //                          over dim columns (acc's length: dim rounded up to W)
+//   kKvDecode              true: the policy reads K and V of every reduced type in its
+//                          decode pieces, decode_logits_kv<T>(q, k, k_seq, k_scale,
+//                          k_scale_seq, cols, dim, c, w, after_step) and decode_pv_kv<T>(w,
+//                          cols, v, v_seq, v_scale, v_scale_seq, dim, acc, alpha) (k and v
+//                          untyped, strides in elements of T, scales for i8; decode_pv_kv
+//                          may rewrite w); false: the loops widen each decode tile first
 //
 // K and V stored as f16, bf16 or i8 (p.kv_type): each tile's rows are widened to fp32 into
 // a scratch tile (widen_rows, in loops the compiler vectorizes for the includer's ISA; the
@@ -615,13 +621,94 @@ struct Loops {
         mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
   }
 
+  // decode_rows for K and V of type T read by the policy's own pieces (K::kKvDecode): the
+  // tile's rows in place, as stored, the next tile prefetched in bytes.
+  template <mha::KvType T>
+  static void decode_rows_kv(const mha::Problem& p, const float* q, const mha::KvView& k,
+                             const mha::KvView& v, float* o, float* lse, mha::Workspace ws) {
+    const std::int64_t dim = p.head_dim;
+    const std::int64_t rows = decode_rows_per_kv_head(p);  // < kDecodeRows
+    Carve workspace(ws.data);
+    const DecodeScratch s = carve_decode(p, workspace);
+    const std::int64_t tile_keys = s.tile_keys;
+    const float c = logit_scale(p);
+    const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const std::int64_t k_bytes = p.k.seq * kBytes, v_bytes = p.v.seq * kBytes, row = dim * kBytes;
+
+    mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
+      const mha::KvView k_head = kv_head(p, block, k, p.k, p.k_scale);
+      const mha::KvView v_head = kv_head(p, block, v, p.v, p.v_scale);
+      const auto* k0 = static_cast<const unsigned char*>(k_head.data);
+      const auto* v0 = static_cast<const unsigned char*>(v_head.data);
+      float ms[kDecodeRows], ls[kDecodeRows];
+      std::fill(ms, ms + rows, neg_inf());
+      std::fill(ls, ls + rows, 0.0f);
+      std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
+      const std::int64_t block_keys = block.keys(p);
+      prefetch_rows(k0, k_bytes, v0, v_bytes, std::min(tile_keys, block_keys), row);
+
+      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
+        const std::int64_t next =
+            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
+        const unsigned char* k_tile = k0 + c0 * k_bytes;
+        const unsigned char* v_tile = v0 + c0 * v_bytes;
+        const float* k_scale = k_head.scale + (T == mha::KvType::i8 ? c0 * p.k_scale.seq : 0);
+        const float* v_scale = v_head.scale + (T == mha::KvType::i8 ? c0 * p.v_scale.seq : 0);
+        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
+        std::int64_t done = 0;  // of the next tile's rows
+        const auto prefetch_step = [&done, rows_per_step, next, k_bytes, v_bytes, row,
+                                    k_next = k_tile + tile_keys * k_bytes,
+                                    v_next = v_tile + tile_keys * v_bytes] {
+          if (const std::int64_t n = std::min(rows_per_step, next - done); n > 0) {
+            prefetch_rows(k_next + done * k_bytes, k_bytes, v_next + done * v_bytes, v_bytes, n,
+                          row);
+            done += n;
+          }
+        };
+        for (std::int64_t t = 0; t < rows; ++t) {
+          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+          if (cols == 0) continue;
+          const float tile_max = K::template decode_logits_kv<T>(
+              block.q_row(p, q, t), k_tile, p.k.seq, k_scale, p.k_scale.seq, cols, dim, c,
+              s.weights, prefetch_step);
+          float alpha = 1.0f;
+          if (tile_max > ms[t]) {
+            alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
+            ms[t] = tile_max;
+          }
+          const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(ms[t]));
+          ls[t] = ls[t] * alpha + sum;
+          K::template decode_pv_kv<T>(s.weights, cols, v_tile, p.v.seq, v_scale, p.v_scale.seq, dim,
+                                      s.acc + t * s.dim_w, alpha);
+        }
+      }
+
+      for (std::int64_t t = 0; t < rows; ++t) {
+        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
+                      block.o_row(p, o, t), block.lse_at(p, lse, t));
+      }
+    });
+  }
+
   // Computes what mha/attention.h specifies; the caller holds the mha::FpEnvGuard.
   static void run(const mha::Problem& p, const float* q, const mha::KvView& k, const mha::KvView& v,
                   float* o, float* lse, mha::Workspace ws) {
     const bool typed = p.kv_type != mha::KvType::f32;
     if (decodes(p)) {
       if (typed) {
-        decode_rows_typed(p, q, k, v, o, lse, ws);
+        if constexpr (K::kKvDecode) {
+          if (p.kv_type == mha::KvType::f16) {
+            decode_rows_kv<mha::KvType::f16>(p, q, k, v, o, lse, ws);
+          } else if (p.kv_type == mha::KvType::bf16) {
+            decode_rows_kv<mha::KvType::bf16>(p, q, k, v, o, lse, ws);
+          } else {
+            decode_rows_kv<mha::KvType::i8>(p, q, k, v, o, lse, ws);
+          }
+        } else {
+          decode_rows_typed(p, q, k, v, o, lse, ws);
+        }
       } else {
         decode_rows(p, q, static_cast<const float*>(k.data), static_cast<const float*>(v.data), o,
                     lse, ws);
