@@ -461,27 +461,6 @@ struct Loops {
     }
   }
 
-  // One row's step over `cols` keys of a tile of fp32 rows: S, the online softmax (m, l) and
-  // acc = alpha acc + P V; `step` runs after each kDotKeys keys of S. decode_rows spells the
-  // same step out: through this function (m and l by reference), avx2's and xsimd-avx2's
-  // fp32 decode with K and V in L3 took 1.15-1.2 times as long (Zen 4).
-  template <class Step>
-  static MHA_ALWAYS_INLINE void decode_row(const float* q_row, const float* k_tile,
-                                           std::int64_t k_seq, const float* v_tile,
-                                           std::int64_t v_seq, std::int64_t cols, std::int64_t dim,
-                                           float c, const DecodeScratch& s, float* acc, float& m,
-                                           float& l, const Step& step) {
-    const float tile_max = K::decode_logits(q_row, k_tile, k_seq, cols, dim, c, s.weights, step);
-    float alpha = 1.0f;
-    if (tile_max > m) {
-      alpha = std::exp2(m - tile_max);  // exactly 0 when the old max is -inf
-      m = tile_max;
-    }
-    const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(m));
-    l = l * alpha + sum;
-    K::decode_pv(s.weights, cols, v_tile, v_seq, dim, acc, alpha);
-  }
-
   // Prefetch: the next tile's K and V rows, spread over the S steps of every row (a few whole
   // rows per kDotKeys keys, through one counter: the S loop has no register to spare).
   static void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v,
@@ -548,81 +527,11 @@ struct Loops {
     });
   }
 
-  // decode_rows for K and V of a reduced type: each tile's K and V rows widened into
-  // s.k_wide and s.v_wide (in L1: decode_tile_keys sizes a tile for its K and V in fp32)
-  // before the rows read them, and the next tile's rows prefetched, as stored, the same way.
-  static void decode_rows_typed(const mha::Problem& p, const float* q, const mha::KvView& k,
-                                const mha::KvView& v, float* o, float* lse, mha::Workspace ws) {
-    const std::int64_t dim = p.head_dim;
-    const std::int64_t rows = decode_rows_per_kv_head(p);  // < kDecodeRows
-    Carve workspace(ws.data);
-    const DecodeScratch s = carve_decode(p, workspace);
-    const std::int64_t tile_keys = s.tile_keys;
-    const float c = logit_scale(p);
-    const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
-    const auto bytes = static_cast<std::int64_t>(mha::kv_type_bytes(p.kv_type));
-    const std::int64_t k_seq = p.k.seq * bytes, v_seq = p.v.seq * bytes, row = dim * bytes;
-
-    mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
-      const mha::KvView k_head = kv_head(p, block, k, p.k, p.k_scale);
-      const mha::KvView v_head = kv_head(p, block, v, p.v, p.v_scale);
-      const auto* k_bytes = static_cast<const unsigned char*>(k_head.data);
-      const auto* v_bytes = static_cast<const unsigned char*>(v_head.data);
-      float ms[kDecodeRows], ls[kDecodeRows];
-      std::fill(ms, ms + rows, neg_inf());
-      std::fill(ls, ls + rows, 0.0f);
-      std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
-      const std::int64_t block_keys = block.keys(p);
-      prefetch_rows(k_bytes, k_seq, v_bytes, v_seq, std::min(tile_keys, block_keys), row);
-
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
-        const std::int64_t keys = std::min(tile_keys, block_keys - c0);
-        const std::int64_t next =
-            std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
-        const float *k_tile = nullptr, *v_tile = nullptr;
-        std::int64_t k_rows = 0, v_rows = 0;  // their strides: dim
-        tile_rows(p, k_head, p.k, p.k_scale, c0, keys, s.k_wide, &k_tile, &k_rows);
-        tile_rows(p, v_head, p.v, p.v_scale, c0, keys, s.v_wide, &v_tile, &v_rows);
-        const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
-        std::int64_t done = 0;  // of the next tile's rows
-        const auto prefetch_step = [&done, rows_per_step, next, k_seq, v_seq, row,
-                                    k_next = k_bytes + (c0 + tile_keys) * k_seq,
-                                    v_next = v_bytes + (c0 + tile_keys) * v_seq] {
-          if (const std::int64_t n = std::min(rows_per_step, next - done); n > 0) {
-            prefetch_rows(k_next + done * k_seq, k_seq, v_next + done * v_seq, v_seq, n, row);
-            done += n;
-          }
-        };
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
-          if (cols == 0) continue;
-          decode_row(block.q_row(p, q, t), k_tile, k_rows, v_tile, v_rows, cols, dim, c, s,
-                     s.acc + t * s.dim_w, ms[t], ls[t], prefetch_step);
-        }
-      }
-
-      for (std::int64_t t = 0; t < rows; ++t) {
-        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
-                      block.o_row(p, o, t), block.lse_at(p, lse, t));
-      }
-    });
-  }
-
-  // ---- Entry points -------------------------------------------------------------------
-
-  static std::size_t workspace(const mha::Problem& p) {
-    if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
-    // At least what the largest decode needs, so that the size never shrinks as q_len grows.
-    mha::Problem largest_decode = p;
-    largest_decode.q_heads = p.kv_heads;
-    largest_decode.q_len = kDecodeRows - 1;
-    return std::max(
-        mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
-        mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
-  }
-
-  // decode_rows for K and V of type T read by the policy's own pieces (K::kKvDecode): the
-  // tile's rows in place, as stored, the next tile prefetched in bytes.
+  // decode_rows for K and V of type T (f16, bf16, i8): the tile's rows as stored, the next
+  // tile prefetched in bytes. With K::kKvDecode the policy's own pieces read them in place
+  // (decode_logits_kv, decode_pv_kv); otherwise each tile's K and V rows are widened into
+  // s.k_wide and s.v_wide first (in L1: decode_tile_keys sizes a tile for its K and V in
+  // fp32), which the fp32 pieces then read for all the KV head's rows.
   template <mha::KvType T>
   static void decode_rows_kv(const mha::Problem& p, const float* q, const mha::KvView& k,
                              const mha::KvView& v, float* o, float* lse, mha::Workspace ws) {
@@ -656,6 +565,10 @@ struct Loops {
         const unsigned char* v_tile = v0 + c0 * v_bytes;
         const float* k_scale = k_head.scale + (T == mha::KvType::i8 ? c0 * p.k_scale.seq : 0);
         const float* v_scale = v_head.scale + (T == mha::KvType::i8 ? c0 * p.v_scale.seq : 0);
+        if constexpr (!K::kKvDecode) {
+          widen_rows(T, k_tile, p.k.seq, k_scale, p.k_scale.seq, keys, dim, s.k_wide);
+          widen_rows(T, v_tile, p.v.seq, v_scale, p.v_scale.seq, keys, dim, s.v_wide);
+        }
         const std::int64_t rows_per_step = mha::support::ceil_div(next, steps);
         std::int64_t done = 0;  // of the next tile's rows
         const auto prefetch_step = [&done, rows_per_step, next, k_bytes, v_bytes, row,
@@ -670,9 +583,15 @@ struct Loops {
         for (std::int64_t t = 0; t < rows; ++t) {
           const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
           if (cols == 0) continue;
-          const float tile_max = K::template decode_logits_kv<T>(
-              block.q_row(p, q, t), k_tile, p.k.seq, k_scale, p.k_scale.seq, cols, dim, c,
-              s.weights, prefetch_step);
+          float tile_max;
+          if constexpr (K::kKvDecode) {
+            tile_max = K::template decode_logits_kv<T>(block.q_row(p, q, t), k_tile, p.k.seq,
+                                                       k_scale, p.k_scale.seq, cols, dim, c,
+                                                       s.weights, prefetch_step);
+          } else {
+            tile_max = K::decode_logits(block.q_row(p, q, t), s.k_wide, dim, cols, dim, c,
+                                        s.weights, prefetch_step);
+          }
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
@@ -680,8 +599,12 @@ struct Loops {
           }
           const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(ms[t]));
           ls[t] = ls[t] * alpha + sum;
-          K::template decode_pv_kv<T>(s.weights, cols, v_tile, p.v.seq, v_scale, p.v_scale.seq, dim,
-                                      s.acc + t * s.dim_w, alpha);
+          if constexpr (K::kKvDecode) {
+            K::template decode_pv_kv<T>(s.weights, cols, v_tile, p.v.seq, v_scale, p.v_scale.seq,
+                                        dim, s.acc + t * s.dim_w, alpha);
+          } else {
+            K::decode_pv(s.weights, cols, s.v_wide, dim, dim, s.acc + t * s.dim_w, alpha);
+          }
         }
       }
 
@@ -692,23 +615,30 @@ struct Loops {
     });
   }
 
+  // ---- Entry points -------------------------------------------------------------------
+
+  static std::size_t workspace(const mha::Problem& p) {
+    if (decodes(p)) return mha::support::workspace_bytes([&](Carve& c) { carve_decode(p, c); });
+    // At least what the largest decode needs, so that the size never shrinks as q_len grows.
+    mha::Problem largest_decode = p;
+    largest_decode.q_heads = p.kv_heads;
+    largest_decode.q_len = kDecodeRows - 1;
+    return std::max(
+        mha::support::workspace_bytes([&](Carve& c) { carve_decode(largest_decode, c); }),
+        mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
+  }
+
   // Computes what mha/attention.h specifies; the caller holds the mha::FpEnvGuard.
   static void run(const mha::Problem& p, const float* q, const mha::KvView& k, const mha::KvView& v,
                   float* o, float* lse, mha::Workspace ws) {
     const bool typed = p.kv_type != mha::KvType::f32;
     if (decodes(p)) {
-      if (typed) {
-        if constexpr (K::kKvDecode) {
-          if (p.kv_type == mha::KvType::f16) {
-            decode_rows_kv<mha::KvType::f16>(p, q, k, v, o, lse, ws);
-          } else if (p.kv_type == mha::KvType::bf16) {
-            decode_rows_kv<mha::KvType::bf16>(p, q, k, v, o, lse, ws);
-          } else {
-            decode_rows_kv<mha::KvType::i8>(p, q, k, v, o, lse, ws);
-          }
-        } else {
-          decode_rows_typed(p, q, k, v, o, lse, ws);
-        }
+      if (p.kv_type == mha::KvType::f16) {
+        decode_rows_kv<mha::KvType::f16>(p, q, k, v, o, lse, ws);
+      } else if (p.kv_type == mha::KvType::bf16) {
+        decode_rows_kv<mha::KvType::bf16>(p, q, k, v, o, lse, ws);
+      } else if (p.kv_type == mha::KvType::i8) {
+        decode_rows_kv<mha::KvType::i8>(p, q, k, v, o, lse, ws);
       } else {
         decode_rows(p, q, static_cast<const float*>(k.data), static_cast<const float*>(v.data), o,
                     lse, ws);
