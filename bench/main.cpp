@@ -1,10 +1,13 @@
 // mha_bench: every registry kernel and the composed baselines across prefill, decode, head
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
-// Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>/threads:<n>
-// Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac (docs/benchmarks.md).
+// Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>
+// [/kv:<f16|bf16|i8>]/threads:<n>
+// Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac; a reduced KV type also
+// kv_err_max, kv_err_rms (docs/benchmarks.md).
 #include <benchmark/benchmark.h>
 #include <mha/attention.h>
+#include <mha/kv_types.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
 #include <mha/support.h>
@@ -89,12 +92,15 @@ struct Shape {
   bool causal;
   int threads;
   std::string caches = "";  // cliffs: the cache configuration's name (cliff_configs)
+  KvType kv = KvType::f32;  // K and V as stored: "/kv:<type>" in the name unless f32
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
     os << family << "/" << impl << (caches.empty() ? "" : "/caches:") << caches << "/B:" << batch
        << "/H:" << heads << "/Hkv:" << kv_heads << "/Lq:" << q_len << "/Lk:" << kv_len
-       << "/D:" << dim << "/causal:" << causal << "/threads:" << threads;
+       << "/D:" << dim << "/causal:" << causal
+       << (kv == KvType::f32 ? "" : std::string("/kv:") + kv_type_name(kv))
+       << "/threads:" << threads;
     return os.str();
   }
   // One query row per query head: a KV cache, head-major.
@@ -105,10 +111,11 @@ std::vector<Shape> shapes(Size size, int cores) {
   std::vector<Shape> out;
   // Every shape on one thread and, through the driver, on every core.
   const auto add = [&](const char* family, std::int64_t h, std::int64_t hkv, std::int64_t lq,
-                       std::int64_t lk, std::int64_t d, bool causal) {
-    out.push_back({family, 1, h, hkv, lq, lk, d, causal, 1});
-    if (cores > 1) out.push_back({family, 1, h, hkv, lq, lk, d, causal, cores});
+                       std::int64_t lk, std::int64_t d, bool causal, KvType kv = KvType::f32) {
+    out.push_back({family, 1, h, hkv, lq, lk, d, causal, 1, "", kv});
+    if (cores > 1) out.push_back({family, 1, h, hkv, lq, lk, d, causal, cores, "", kv});
   };
+  constexpr KvType kReduced[] = {KvType::f16, KvType::bf16, KvType::i8};
   if (size == Size::cliffs) return out;  // the cliff sweep alone
   if (size == Size::quick) {             // every family once, small
     for (bool causal : {false, true}) add("prefill", 4, 2, 128, 128, 64, causal);
@@ -116,6 +123,10 @@ std::vector<Shape> shapes(Size size, int cores) {
     add("decode", 4, 2, 1, 512, 64, true);
     add("decode", 4, 1, 1, 512, 64, true);
     add("heads", 2, 2, 128, 128, 64, false);
+    for (KvType kv : kReduced) {
+      add("decode", 4, 2, 1, 512, 64, true, kv);
+      add("prefill", 4, 2, 128, 128, 64, true, kv);
+    }
     return out;
   }
   const bool full = size == Size::full;
@@ -152,6 +163,22 @@ std::vector<Shape> shapes(Size size, int cores) {
       add("heads", h, h, kv_len, kv_len, width / h, false);
     }
   }
+  // K and V stored in f16, bf16 and i8 (mha/kv_types.h): decode from the L3 and from memory,
+  // GQA and MHA, and split-KV with one KV head (the full size: every decode shape above), and
+  // the main prefill shape (the full size: both lengths, causal and not).
+  std::vector<Shape> reduced;
+  for (const Shape& s : out) {
+    const bool decode =
+        s.family == "decode" && (full || (s.heads == 32 && s.kv_heads == 8) || s.heads == 8);
+    const bool prefill = s.family == "prefill" && s.heads == 32 && s.kv_heads == 8 &&
+                         s.dim == 128 && (full || (s.q_len == 2048 && !s.causal));
+    if (!decode && !prefill) continue;
+    for (KvType kv : kReduced) {
+      reduced.push_back(s);
+      reduced.back().kv = kv;
+    }
+  }
+  out.insert(out.end(), reduced.begin(), reduced.end());
   return out;
 }
 
@@ -213,8 +240,7 @@ struct Impl {
   double exp_ulp;
   // Runs one problem on `threads` threads: registry kernels through the parallel driver,
   // baselines with their library's thread count set to it.
-  std::function<void(const Problem&, const float*, const float*, const float*, float*, float*,
-                     int threads)>
+  std::function<void(const Problem&, const float*, KvView, KvView, float*, float*, int threads)>
       run;
   // registry.inc's `tiled`; the baselines' sgemm blocks for the caches too.
   bool tiled = true;
@@ -224,6 +250,8 @@ struct Impl {
   // A portable kernel (registry name <library>-<target>: xsimd-avx2, highway-sse4, ...):
   // at the default size timed on the headline shapes only (headline()).
   bool portable = false;
+  // The KvTypes it reads (registry.h: kv_bit); the baselines fp32 only.
+  unsigned kv_types = kKvF32;
 };
 
 // The shapes the portable kernels are compared with the hand-written ones on at the default
@@ -244,24 +272,25 @@ std::vector<Impl> implementations() {
     // reference, before the timed loop), so that timed calls allocate nothing.
     auto workspace = std::make_shared<std::vector<unsigned char>>();
     out.push_back({kernel.name, kernel.exp_ulp,
-                   [info = &kernel, workspace](const Problem& p, const float* q, const float* k,
-                                               const float* v, float* o, float* lse, int threads) {
+                   [info = &kernel, workspace](const Problem& p, const float* q, KvView k, KvView v,
+                                               float* o, float* lse, int threads) {
                      const std::size_t bytes = parallel_workspace(info->workspace, p, threads);
                      if (workspace->size() < bytes) workspace->resize(bytes);
                      parallel_attention(info->fn, info->workspace, p, q, k, v, o, lse, threads,
                                         Workspace{workspace->data(), bytes});
                    },
                    kernel.tiled, isa_name(kernel.isa),
-                   std::string(kernel.name).find('-') != std::string::npos});
+                   std::string(kernel.name).find('-') != std::string::npos, kernel.kv_types});
   }
   // A composed baseline: its library's threads set to the benchmark's, then the composition.
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
     auto baseline = std::make_shared<Composed>(gemm);
     out.push_back({name, kComposedExpUlp,
-                   [baseline, set_threads](const Problem& p, const float* q, const float* k,
-                                           const float* v, float* o, float* lse, int threads) {
+                   [baseline, set_threads](const Problem& p, const float* q, KvView k, KvView v,
+                                           float* o, float* lse, int threads) {
                      set_threads(threads);
-                     baseline->run(p, q, k, v, o, lse, threads);
+                     baseline->run(p, q, static_cast<const float*>(k.data),
+                                   static_cast<const float*>(v.data), o, lse, threads);
                    },
                    true, ""});
   };
@@ -294,24 +323,86 @@ struct Workspace {
   std::string key;
   Problem p;
   int copies = 1;
-  std::vector<Tensor> q, k, v;
+  // K and V as p.kv_type stores them (a reduced type's bytes in float-sized storage), and
+  // for i8 their scales; k32 and v32: copy 0 in fp32 before it was rounded to that type.
+  std::vector<Tensor> q, k, v, k_scale, v_scale;
+  Tensor k32, v32;
   Tensor o, lse;
+  KvView k_view(std::size_t c) const {
+    return {k[c].data(), k_scale.empty() ? nullptr : k_scale[c].data()};
+  }
+  KvView v_view(std::size_t c) const {
+    return {v[c].data(), v_scale.empty() ? nullptr : v_scale[c].data()};
+  }
   // compare_with_reference's sampled rows, made once per problem (the cliff sweep checks
   // each problem under every cache configuration and kernel).
   std::map<std::int64_t, ref::Result> want;
   std::map<std::pair<std::int64_t, double>, ref::Tolerance> tol;
+  // A reduced type's quantization error on these inputs (quantization_error), once computed.
+  bool quantized = false;
+  double quant_max = 0.0, quant_rms = 0.0;
 };
 
+// The bytes of K and V a call reads: their elements in the stored type, and i8's scales.
 std::int64_t kv_bytes(const Problem& p) {
-  return p.batch * p.kv_heads * p.kv_len * p.head_dim * 2 *
-         static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t rows = p.batch * p.kv_heads * p.kv_len;
+  const std::int64_t scales = p.kv_type == KvType::i8 ? 4 : 0;
+  return 2 * rows * (p.head_dim * static_cast<std::int64_t>(kv_type_bytes(p.kv_type)) + scales);
+}
+
+// Floats of storage that hold n elements of type t.
+std::size_t floats_for(std::int64_t n, KvType t) {
+  return static_cast<std::size_t>((n * static_cast<std::int64_t>(kv_type_bytes(t)) + 3) / 4);
+}
+
+// `stored` (floats_for its extent) and, for i8, `scales`: x (fp32, strides st) in p.kv_type:
+// f16 and bf16 rounded to nearest even, i8 with a scale per row from its max-abs, as a
+// cache's append stores them (mha/kv_types.h).
+void store_as(const Problem& p, const Strides& st, const Strides& scale_st, const Tensor& x,
+              Tensor& stored, Tensor& scales) {
+  const auto n = static_cast<std::int64_t>(x.size());
+  stored.assign(floats_for(n, p.kv_type), 0.0f);
+  switch (p.kv_type) {
+    case KvType::f32:
+      stored = x;
+      return;
+    case KvType::f16:
+    case KvType::bf16: {
+      auto* out = reinterpret_cast<std::uint16_t*>(stored.data());
+      for (std::int64_t i = 0; i < n; ++i) {
+        out[i] = p.kv_type == KvType::f16 ? kv::f32_to_f16(x[static_cast<std::size_t>(i)])
+                                          : kv::f32_to_bf16(x[static_cast<std::size_t>(i)]);
+      }
+      return;
+    }
+    case KvType::i8: {
+      auto* out = reinterpret_cast<std::int8_t*>(stored.data());
+      scales.assign(static_cast<std::size_t>(extent(scale_st, p.batch, p.kv_len, p.kv_heads, 1)),
+                    0.0f);
+      for (std::int64_t b = 0; b < p.batch; ++b) {
+        for (std::int64_t j = 0; j < p.kv_len; ++j) {
+          for (std::int64_t h = 0; h < p.kv_heads; ++h) {
+            const std::int64_t at = b * st.batch + j * st.seq + h * st.head;
+            scales[static_cast<std::size_t>(b * scale_st.batch + j * scale_st.seq +
+                                            h * scale_st.head)] =
+                kv::quantize_i8_row(x.data() + at, p.head_dim, out + at);
+          }
+        }
+      }
+      return;
+    }
+  }
 }
 
 // Decode keeps its KV cache head-major, as caches usually are; prefill is token-major
 // throughout (what X W^Q etc. produce).
 Problem workspace_problem(const Shape& s) {
   Problem p = make_problem(s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal);
-  if (s.decode()) p.k = p.v = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, s.dim);
+  p.kv_type = s.kv;
+  if (s.decode()) {
+    p.k = p.v = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, s.dim);
+    p.k_scale = p.v_scale = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, 1);
+  }
   return p;
 }
 
@@ -334,12 +425,30 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
     const std::int64_t llc = probe.caches.last_level();
     w.copies = static_cast<int>(std::max<std::int64_t>(2, (3 * llc + ws - 1) / ws));
   }
+  const Problem& p = w.p;
   for (int c = 0; c < w.copies; ++c) {
-    w.q.emplace_back(static_cast<std::size_t>(q_extent(w.p)));
-    w.k.emplace_back(static_cast<std::size_t>(k_extent(w.p)));
-    w.v.emplace_back(static_cast<std::size_t>(v_extent(w.p)));
-    ref::SensitiveInputs(w.p, static_cast<std::uint64_t>(c) + 1)
-        .fill(w.q.back().data(), w.k.back().data(), w.v.back().data());
+    w.q.emplace_back(static_cast<std::size_t>(q_extent(p)));
+    Tensor k(static_cast<std::size_t>(k_extent(p))), v(static_cast<std::size_t>(v_extent(p)));
+    ref::SensitiveInputs(p, static_cast<std::uint64_t>(c) + 1)
+        .fill(w.q.back().data(), k.data(), v.data());
+    if (p.kv_type == KvType::f32) {
+      w.k.push_back(std::move(k));
+      w.v.push_back(std::move(v));
+      continue;
+    }
+    Tensor k_scale, v_scale;
+    w.k.emplace_back();
+    w.v.emplace_back();
+    store_as(p, p.k, p.k_scale, k, w.k.back(), k_scale);
+    store_as(p, p.v, p.v_scale, v, w.v.back(), v_scale);
+    if (p.kv_type == KvType::i8) {
+      w.k_scale.push_back(std::move(k_scale));
+      w.v_scale.push_back(std::move(v_scale));
+    }
+    if (c == 0) {
+      w.k32 = std::move(k);
+      w.v32 = std::move(v);
+    }
   }
   w.o.assign(static_cast<std::size_t>(o_extent(w.p)), 0.0f);
   w.lse.assign(static_cast<std::size_t>(lse_extent(w.p)), 0.0f);
@@ -353,13 +462,12 @@ std::string compare_with_reference(Workspace& w, double exp_ulp, bool check_lse)
   const Problem& p = w.p;
   for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {
     if (w.want.count(row) == 0) {
-      w.want.emplace(row,
-                     ref::attention(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), row, row + 1));
+      w.want.emplace(row, ref::attention(p, w.q[0].data(), w.k_view(0), w.v_view(0), row, row + 1));
     }
     if (w.tol.count({row, exp_ulp}) == 0) {
       w.tol.emplace(
           std::make_pair(row, exp_ulp),
-          ref::tolerance(p, w.q[0].data(), w.k[0].data(), w.v[0].data(), exp_ulp, row, row + 1));
+          ref::tolerance(p, w.q[0].data(), w.k_view(0), w.v_view(0), exp_ulp, row, row + 1));
     }
     const ref::Result& want = w.want.at(row);
     const ref::Tolerance& tol = w.tol.at({row, exp_ulp});
@@ -389,6 +497,34 @@ std::string compare_with_reference(Workspace& w, double exp_ulp, bool check_lse)
     }
   }
   return std::string();
+}
+
+// What storing K and V in a reduced type costs on these inputs: the exact outputs (the
+// reference's) of the sampled rows on the stored values against those on the fp32 values they
+// were rounded from; sets w.quant_max, the largest |difference|, and w.quant_rms, the RMS
+// difference over the RMS output. Made once per workspace, after compare_with_reference.
+void quantization_error(Workspace& w) {
+  if (w.quantized || w.p.kv_type == KvType::f32) return;
+  Problem fp32 = w.p;
+  fp32.kv_type = KvType::f32;
+  double max = 0.0, err2 = 0.0, out2 = 0.0;
+  for (const auto& [row, want] : w.want) {
+    const ref::Result exact =
+        ref::attention(fp32, w.q[0].data(), w.k32.data(), w.v32.data(), row, row + 1);
+    for (std::int64_t b = 0; b < fp32.batch; ++b) {
+      for (std::int64_t h = 0; h < fp32.q_heads; ++h) {
+        for (std::int64_t d = 0; d < fp32.head_dim; ++d) {
+          const double diff = want.o_at(b, h, row, d) - exact.o_at(b, h, row, d);
+          max = std::max(max, std::fabs(diff));
+          err2 += diff * diff;
+          out2 += exact.o_at(b, h, row, d) * exact.o_at(b, h, row, d);
+        }
+      }
+    }
+  }
+  w.quantized = true;
+  w.quant_max = max;
+  w.quant_rms = out2 > 0 ? std::sqrt(err2 / out2) : 0.0;
 }
 
 // FLOPs as DESIGN.md (section 8) defines them: 4 D per visible query-key pair, over all B H heads.
@@ -451,6 +587,15 @@ void set_counters(benchmark::State& state, const Shape& s, const Problem& p, con
   if (limit > 0) state.counters["bw_frac"] = gbps / limit;
 }
 
+// A reduced type's quantization error on the benchmark's inputs (quantization_error), the
+// same for every implementation of the shape: kv_err_max and kv_err_rms.
+void set_quantization_counters(benchmark::State& state, Workspace& w) {
+  if (w.p.kv_type == KvType::f32) return;
+  quantization_error(w);
+  state.counters["kv_err_max"] = w.quant_max;
+  state.counters["kv_err_rms"] = w.quant_rms;
+}
+
 // --plant=BUG, a self-test of the check above: every implementation's answer (kernels',
 // baselines', peers') is made wrong before the check, as a bug would make it, and the run
 // succeeds only if the check rejects it in every benchmark (a benchmark it passes is timed
@@ -474,13 +619,13 @@ PlantedKeys planted_keys(const Problem& p) {
 }
 
 // w's problem and K and V (those of copy c) as the planted bug sees them: without a plant,
-// the problem itself. middle-key: copies of copy 0's K and V without key kv_len / 2, made
-// once per workspace, for every copy.
-Problem planted_problem(const Workspace& w, std::size_t c, const float*& k, const float*& v) {
+// the problem itself. middle-key: copies of copy 0's K and V (and scales) without key
+// kv_len / 2, made once per workspace, for every copy.
+Problem planted_problem(const Workspace& w, std::size_t c, KvView& k, KvView& v) {
   const Problem& p = w.p;
   if (g_plant == Plant::middle_key && p.kv_len > 1) {
     static std::string key;
-    static Tensor k_cut, v_cut;
+    static Tensor k_cut, v_cut, k_scale_cut, v_scale_cut;
     static Problem cut;
     if (key != w.key) {
       key = w.key;
@@ -488,31 +633,43 @@ Problem planted_problem(const Workspace& w, std::size_t c, const float*& k, cons
       cut.kv_len = p.kv_len - 1;
       const Layout layout = p.k.head < p.k.seq ? Layout::token_major : Layout::head_major;
       cut.k = cut.v = dense_strides(layout, cut.kv_len, p.kv_heads, p.head_dim);
-      k_cut.assign(static_cast<std::size_t>(k_extent(cut)), 0.0f);
-      v_cut.assign(static_cast<std::size_t>(v_extent(cut)), 0.0f);
-      for (std::int64_t b = 0; b < p.batch; ++b) {
-        for (std::int64_t h = 0; h < p.kv_heads; ++h) {
-          for (std::int64_t j = 0, to = 0; j < p.kv_len; ++j) {
-            if (j == p.kv_len / 2) continue;
-            std::copy_n(w.k[0].data() + b * p.k.batch + j * p.k.seq + h * p.k.head, p.head_dim,
-                        k_cut.data() + b * cut.k.batch + to * cut.k.seq + h * cut.k.head);
-            std::copy_n(w.v[0].data() + b * p.v.batch + j * p.v.seq + h * p.v.head, p.head_dim,
-                        v_cut.data() + b * cut.v.batch + to * cut.v.seq + h * cut.v.head);
-            ++to;
+      cut.k_scale = cut.v_scale = dense_strides(layout, cut.kv_len, p.kv_heads, 1);
+      const auto row_bytes = static_cast<std::size_t>(p.head_dim) * kv_type_bytes(p.kv_type);
+      const bool i8 = p.kv_type == KvType::i8;
+      const auto cut_rows = [&](KvView from, const Strides& st, const Strides& scale_st, Tensor& to,
+                                Tensor& to_scale) {
+        to.assign(floats_for(k_extent(cut), p.kv_type), 0.0f);
+        to_scale.assign(i8 ? static_cast<std::size_t>(k_scale_extent(cut)) : 0, 0.0f);
+        for (std::int64_t b = 0; b < p.batch; ++b) {
+          for (std::int64_t h = 0; h < p.kv_heads; ++h) {
+            for (std::int64_t j = 0, t = 0; j < p.kv_len; ++j) {
+              if (j == p.kv_len / 2) continue;
+              const KvView row = advance(from, p.kv_type, b * st.batch + j * st.seq + h * st.head,
+                                         b * scale_st.batch + j * scale_st.seq + h * scale_st.head);
+              const KvView out =
+                  advance(KvView(to.data(), to_scale.data()), p.kv_type,
+                          b * cut.k.batch + t * cut.k.seq + h * cut.k.head,
+                          b * cut.k_scale.batch + t * cut.k_scale.seq + h * cut.k_scale.head);
+              std::memcpy(const_cast<void*>(out.data), row.data, row_bytes);
+              if (i8) *const_cast<float*>(out.scale) = *row.scale;
+              ++t;
+            }
           }
         }
-      }
+      };
+      cut_rows(w.k_view(0), p.k, p.k_scale, k_cut, k_scale_cut);
+      cut_rows(w.v_view(0), p.v, p.v_scale, v_cut, v_scale_cut);
     }
-    k = k_cut.data();
-    v = v_cut.data();
+    k = KvView(k_cut.data(), k_scale_cut.data());
+    v = KvView(v_cut.data(), v_scale_cut.data());
     return cut;
   }
   (void)c;
   const PlantedKeys keys = planted_keys(p);
   Problem out = p;
   out.kv_len = keys.count;
-  k += keys.first * p.k.seq;
-  v += keys.first * p.v.seq;
+  k = advance(k, p.kv_type, keys.first * p.k.seq, keys.first * p.k_scale.seq);
+  v = advance(v, p.kv_type, keys.first * p.v.seq, keys.first * p.v_scale.seq);
   return out;
 }
 
@@ -532,7 +689,7 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   static std::set<std::string> verified;
   const std::string name = s.name(impl.name);
   if (verified.count(name) == 0) {
-    const float *k = w.k[0].data(), *v = w.v[0].data();
+    KvView k = w.k_view(0), v = w.v_view(0);
     const Problem planted = planted_problem(w, 0, k, v);
     impl.run(planted, w.q[0].data(), k, v, w.o.data(), w.lse.data(), s.threads);
     if (g_plant == Plant::zeros) std::fill(w.o.begin(), w.o.end(), 0.0f);
@@ -550,13 +707,14 @@ void run_benchmark(benchmark::State& state, const Impl& impl, const Shape& s, co
   // below are plain numbers in every output format.
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    impl.run(p, w.q[c].data(), w.k[c].data(), w.v[c].data(), w.o.data(), nullptr, s.threads);
+    impl.run(p, w.q[c].data(), w.k_view(c), w.v_view(c), w.o.data(), nullptr, s.threads);
     benchmark::ClobberMemory();
     c = c + 1 == w.copies ? 0 : c + 1;
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   set_counters(state, s, p, probe, impl.isa, seconds);
+  set_quantization_counters(state, w);
 }
 
 // A point of the cliff sweep: run_benchmark with the kernels tiling for `caches`, then
@@ -586,7 +744,7 @@ void run_cliff_benchmark(benchmark::State& state, const Impl& impl, const Shape&
   // One call untimed: the point before read other tensors, and a decode's K and V (4 MiB)
   // would come from memory on the first of a few dozen calls.
   Workspace& w = workspace(s, probe);
-  impl.run(w.p, w.q[0].data(), w.k[0].data(), w.v[0].data(), w.o.data(), nullptr, s.threads);
+  impl.run(w.p, w.q[0].data(), w.k_view(0), w.v_view(0), w.o.data(), nullptr, s.threads);
   run_benchmark(state, impl, s, probe);
   mha::support::set_caches({0, 0, 0});
   if (state.error_occurred()) return;
@@ -612,7 +770,11 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
   Workspace& w = workspace(s, probe);
   std::string why;
   std::fill(w.o.begin(), w.o.end(), std::numeric_limits<float>::quiet_NaN());
-  std::vector<const float*> k = pointers(w.k), v = pointers(w.v);
+  std::vector<KvView> k, v;
+  for (std::size_t c = 0; c < w.k.size(); ++c) {
+    k.push_back(w.k_view(c));
+    v.push_back(w.v_view(c));
+  }
   Problem planted = w.p;
   for (std::size_t c = 0; c < k.size(); ++c) planted = planted_problem(w, c, k[c], v[c]);
   const double once =
@@ -641,7 +803,9 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
     seconds += t;
   }
   server.release();
-  if (!state.error_occurred()) set_counters(state, s, w.p, probe, "", seconds);
+  if (state.error_occurred()) return;
+  set_counters(state, s, w.p, probe, "", seconds);
+  set_quantization_counters(state, w);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -667,7 +831,7 @@ double peer_overhead(PeerServer& server, const std::string& peer, const Probe& p
   std::string why;
   if (!server.supports(peer, w.p, &why)) return 0.0;
   const double once =
-      server.prepare(peer, w.p, 1, pointers(w.q), pointers(w.k), pointers(w.v), w.o.data(), &why);
+      server.prepare(peer, w.p, 1, pointers(w.q), {w.k_view(0)}, {w.v_view(0)}, w.o.data(), &why);
   if (once < 0) return 0.0;
   const long long batch = std::max(1LL, static_cast<long long>(0.02 / std::max(once, 1e-7)));
   double best = 0.0;
@@ -1006,6 +1170,9 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // An untiled kernel streams its head's K and V once per query row: beyond 2048 rows
         // a run would take minutes.
         if (!impl.tiled && s.q_len > 2048) continue;
+        if ((impl.kv_types & kv_bit(s.kv)) == 0) continue;  // a KV type it does not read
+        // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
+        if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),

@@ -47,13 +47,31 @@ std::string problem_fields(const Problem& p) {
   strides("k", p.k);
   strides("v", p.v);
   strides("o", p.o);
+  if (p.kv_type != KvType::f32) {
+    os << " kv_type=" << kv_type_name(p.kv_type);
+    if (p.kv_type == KvType::i8) {
+      strides("k_scale", p.k_scale);
+      strides("v_scale", p.v_scale);
+    }
+  }
   return os.str();
 }
 
-std::string paths(const std::vector<const float*>& tensors) {
+std::string paths(const std::vector<const void*>& tensors) {
   std::string out;
-  for (const float* t : tensors) out += (out.empty() ? "" : ",") + shared_path(t);
+  for (const void* t : tensors) out += (out.empty() ? "" : ",") + shared_path(t);
   return out;
+}
+
+std::string paths(const std::vector<const float*>& tensors) {
+  return paths(std::vector<const void*>(tensors.begin(), tensors.end()));
+}
+
+// The paths of the views' elements, or (scales) of their i8 scales.
+std::string paths(const std::vector<KvView>& views, bool scales) {
+  std::vector<const void*> out;
+  for (const KvView& x : views) out.push_back(scales ? static_cast<const void*>(x.scale) : x.data);
+  return paths(out);
 }
 
 std::string gemm_fields(const GemmShape& s) {
@@ -208,11 +226,15 @@ bool PeerServer::supports(const std::string& peer, const Problem& p, std::string
 }
 
 double PeerServer::prepare(const std::string& peer, const Problem& p, int threads,
-                           const std::vector<const float*>& q, const std::vector<const float*>& k,
-                           const std::vector<const float*>& v, float* o, std::string* why) {
+                           const std::vector<const float*>& q, const std::vector<KvView>& k,
+                           const std::vector<KvView>& v, float* o, std::string* why) {
   std::ostringstream os;
   os << "prepare " << peer << " " << problem_fields(p) << " threads=" << threads
-     << " q=" << paths(q) << " k=" << paths(k) << " v=" << paths(v) << " o=" << shared_path(o);
+     << " q=" << paths(q) << " k=" << paths(k, false) << " v=" << paths(v, false);
+  if (p.kv_type == KvType::i8) {
+    os << " k_scale=" << paths(k, true) << " v_scale=" << paths(v, true);
+  }
+  os << " o=" << shared_path(o);
   return seconds_from(request(os.str()), why);
 }
 

@@ -8,7 +8,8 @@
 //            skip <name> <why>          one per framework it could not, then
 //            ready
 //   client:  supports <name> <problem>  ->  yes | no <why>
-//            prepare <name> <problem> threads=<n> q=<paths> k=<paths> v=<paths> o=<path>
+//            prepare <name> <problem> threads=<n> q=<paths> k=<paths> v=<paths>
+//                    [k_scale=<paths> v_scale=<paths>] o=<path>
 //                                       ->  ok <seconds of one call> | error <why>
 //            supports_gemm <name> <gemm>  ->  yes | no <why>
 //            prepare_gemm <name> <gemm> threads=<n> a=<path> b=<path> c=<path> [cold=<bytes>]
@@ -20,7 +21,10 @@
 //            run <n>                    ->  ok <seconds of n calls> | error <why>
 //            release                    ->  ok
 //   <problem>: batch= q_len= kv_len= q_heads= kv_heads= head_dim= causal= scale= and each
-//   tensor's element strides, q_strides=<batch>,<seq>,<head> (and k_, v_, o_strides).
+//   tensor's element strides, q_strides=<batch>,<seq>,<head> (and k_, v_, o_strides); for K
+//   and V stored in a reduced type (mha/kv_types.h), kv_type=f16|bf16|i8 (absent: f32), the
+//   strides counting elements of that type, and for i8 k_scale_strides= and v_scale_strides=
+//   of the per-row fp32 scales, whose paths prepare then adds as k_scale= and v_scale=.
 //   <paths>: comma-separated files, one per copy of the tensor (decode rotates over copies).
 //   <gemm>: m= n= k=, for C[m][n] = A[m][k] B[k][n]; <path>: one file, one copy.
 //   <layer>: batch= d= heads= kv_heads= head_dim= n= past= causal=0|1 bias=0|1, the whole
@@ -155,8 +159,8 @@ class PeerServer {
   /// Builds the peer's session for the problem, calls it once on copy 0 (writing o) and
   /// returns the seconds that call took, or a negative number with `why` set.
   double prepare(const std::string& peer, const Problem& p, int threads,
-                 const std::vector<const float*>& q, const std::vector<const float*>& k,
-                 const std::vector<const float*>& v, float* o, std::string* why);
+                 const std::vector<const float*>& q, const std::vector<KvView>& k,
+                 const std::vector<KvView>& v, float* o, std::string* why);
   /// Whether `peer` computes this GEMM; otherwise `why` says why not (also for the
   /// attention and layer peers).
   bool supports_gemm(const std::string& peer, const GemmShape& s, std::string* why);

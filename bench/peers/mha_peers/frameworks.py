@@ -50,8 +50,13 @@ class Peer(Framework):
     """An attention operator."""
 
     kind = "attention"
+    # The KV types (Problem.kv_type) the peer's form reads; a peer is absent from the rows of
+    # the others.
+    kv_types: tuple[str, ...] = ("f32",)
 
     def why_unsupported(self, p: Problem) -> str | None:
+        if p.kv_type not in self.kv_types:
+            return f"K and V in {p.kv_type}: {self.name} reads {', '.join(self.kv_types)} only"
         return p.why_unsupported()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -325,7 +330,7 @@ class OrtGqa(_Ort):
     def why_unsupported(self, p: Problem) -> str | None:
         if not p.causal:
             return "GroupQueryAttention is always causal"
-        return p.why_unsupported()
+        return super().why_unsupported(p)
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         from onnx import TensorProto, helper
@@ -487,7 +492,7 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     def why_unsupported(self, p: Problem) -> str | None:
         if p.q_len != 1 and p.q_len != p.kv_len:
             return "a generation loop's forms only: prefill (Lq = Lk) or decode (Lq = 1)"
-        return p.why_unsupported()
+        return super().why_unsupported(p)
 
     def model(self, p: Problem, k_head_major: bool, v_head_major: bool) -> Any:
         """The stateful model: inputs q [B, Lq, H, D], the new K and V tokens in their

@@ -18,6 +18,9 @@ Strides = tuple[int, int, int]
 
 _FLOAT = np.dtype(np.float32).itemsize
 
+# The element types K and V may be stored in (mha::KvType's names).
+KV_TYPES = ("f32", "f16", "bf16", "i8")
+
 
 class Mask(Enum):
     """How a framework must be told which keys a query row sees."""
@@ -41,6 +44,11 @@ class Problem:
     k_strides: Strides
     v_strides: Strides
     o_strides: Strides
+    # K and V as stored (kernels/include/mha/kv_types.h): f32, f16, bf16, or i8 with an fp32
+    # scale per (token, KV head) row, whose strides are k_scale_strides and v_scale_strides.
+    kv_type: str = "f32"
+    k_scale_strides: Strides | None = None
+    v_scale_strides: Strides | None = None
 
     @property
     def group(self) -> int:
@@ -81,6 +89,11 @@ class Problem:
             b, s, h = (int(x) for x in fields[f"{name}_strides"].split(","))
             return (b, s, h)
 
+        kv_type = fields.get("kv_type", "f32")
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type '{kv_type}' is none of {', '.join(KV_TYPES)}")
+        i8 = kv_type == "i8"
+
         return Problem(
             batch=int(fields["batch"]),
             q_len=int(fields["q_len"]),
@@ -94,6 +107,9 @@ class Problem:
             k_strides=strides("k"),
             v_strides=strides("v"),
             o_strides=strides("o"),
+            kv_type=kv_type,
+            k_scale_strides=strides("k_scale") if i8 else None,
+            v_scale_strides=strides("v_scale") if i8 else None,
         )
 
 

@@ -223,6 +223,26 @@ def test_server_protocol_end_to_end() -> None:
             os.close(fd)
 
 
+def test_reduced_kv_types_are_parsed_and_refused() -> None:
+    """kv_type (and i8's scale strides) reach the problem; every peer's form reads f32 K and
+    V, so it answers no for the others, naming the type, and a prepare of them is an error."""
+    base = ("batch=1 q_len=1 kv_len=6 q_heads=2 kv_heads=1 head_dim=4 causal=1 scale=0.5 "
+            "q_strides=8,8,4 k_strides=24,4,24 v_strides=24,4,24 o_strides=8,8,4")
+    fields = dict(w.split("=") for w in base.split())
+    assert Problem.parse(fields).kv_type == "f32"
+    i8 = Problem.parse({**fields, "kv_type": "i8", "k_scale_strides": "6,1,6",
+                        "v_scale_strides": "6,1,6"})
+    assert i8.kv_type == "i8" and i8.k_scale_strides == (6, 1, 6)
+    with pytest.raises(ValueError, match="kv_type 'f64'"):
+        Problem.parse({**fields, "kv_type": "f64"})
+    server = Server([cls() for cls in ATTENTION])
+    for name in server.peers:
+        reply = server.handle(f"supports {name} {base} kv_type=f16")
+        assert reply.startswith("no ") and "f16" in reply, (name, reply)
+        assert server.handle(f"prepare {name} {base} kv_type=bf16 threads=1").startswith(
+            "error unsupported"), name
+
+
 def test_greeting_ends_with_ready() -> None:
     out = io.StringIO()
     serve(io.StringIO(""), out)
