@@ -100,7 +100,8 @@ def _cpu(results: Results) -> str:
 
 def prefill_vs_length(results: Results, path: Path) -> Path | None:
     """Does throughput hold up as the sequence grows? GFLOP/s against L, causal and not."""
-    sweep = _sweep(results, lambda s: s.family == "prefill" and s.q_len == s.kv_len,
+    sweep = _sweep(results, lambda s: s.family == "prefill" and s.q_len == s.kv_len
+                   and s.kv == "f32",
                    lambda s: (s.heads, s.kv_heads, s.dim), lambda s: s.q_len)
     if sweep is None:
         return None
@@ -127,7 +128,7 @@ def prefill_vs_length(results: Results, path: Path) -> Path | None:
 
 def decode_vs_length(results: Results, path: Path) -> Path | None:
     """Does a decode step stream the KV cache at the memory's speed, at every cache size?"""
-    sweep = _sweep(results, lambda s: s.family == "decode",
+    sweep = _sweep(results, lambda s: s.family == "decode" and s.kv == "f32",
                    lambda s: (s.heads, s.kv_heads, s.dim), lambda s: s.kv_len)
     if sweep is None:
         return None
@@ -153,7 +154,7 @@ def decode_vs_length(results: Results, path: Path) -> Path | None:
 
 def decode_vs_kv_heads(results: Results, path: Path) -> Path | None:
     """What does sharing KV heads buy? Time per decode step against Hkv, beside the cache."""
-    sweep = _sweep(results, lambda s: s.family == "decode",
+    sweep = _sweep(results, lambda s: s.family == "decode" and s.kv == "f32",
                    lambda s: (s.heads, s.kv_len, s.dim), lambda s: s.kv_heads)
     if sweep is None:
         return None
@@ -210,7 +211,7 @@ def heads_sweep(results: Results, path: Path) -> Path | None:
 
 def roofline(results: Results, path: Path) -> Path | None:
     """How close is every result to the roof of its arithmetic intensity?"""
-    shapes = [s for s in results.shapes() if s.threads == 1]
+    shapes = [s for s in results.shapes() if s.threads == 1 and s.kv == "f32"]
     if not shapes:
         return None
     fig, ax = plt.subplots(figsize=(11, 5.2), layout="constrained")

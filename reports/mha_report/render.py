@@ -6,15 +6,15 @@ from __future__ import annotations
 import base64
 import html
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from . import cliffs, plots
 from .results import (GEMM_LIBRARIES, GemmShape, LayerShape, Results, Shape, is_composed,
                       is_kernel, is_library, is_peer, sharing)
-from .stats import (Best, Change, GemmRow, Headline, LayerRow, Row, Spread, compare, gemm_rows,
-                    headlines, kv_head_groups, layer_rows, shape_rows)
+from .stats import (Best, Change, GemmRow, Headline, KvRow, LayerRow, Row, Spread, compare,
+                    gemm_rows, headlines, kv_head_groups, kv_rows, layer_rows, shape_rows)
 
 
 @dataclass
@@ -278,6 +278,26 @@ def kv_heads_table(group: list[LayerRow]) -> Table:
     return Table(header, rows)
 
 
+def kv_table(rows: list[KvRow]) -> Table:
+    """Per shape with K and V in a reduced type: the fastest kernel, its read rate in the
+    bytes it reads, against the fastest fp32 kernel and its own fp32 time, the quantization
+    error, and the fastest peer in the same precision."""
+    header = ["shape", "KV", "best kernel", "ms", "GB/s", "of bandwidth", "best fp32 kernel",
+              "ms", "speedup over best fp32", "speedup over its own fp32", "max abs error",
+              "RMS error / RMS output", "best peer", "speedup over peer"]
+    out = []
+    for r in rows:
+        decode = r.shape.family == "decode"
+        out.append([f"{r.shape.family} {replace(r.shape, kv='f32').label()}", r.shape.kv,
+                    _name(r.kernel), _fmt(r.kernel.ms, 3), _fmt(r.gbps, 1) if decode else "",
+                    _fmt(r.bw_frac, 3) if decode else "", _name(r.fp32), _fmt(r.fp32.ms, 3),
+                    _speedup(r.vs_fp32), _speedup(r.own_vs_fp32),
+                    "" if r.err_max is None else f"{r.err_max:.2g}",
+                    "" if r.err_rms is None else f"{r.err_rms:.2g}",
+                    _name(r.peer), _speedup(r.vs_peer)])
+    return Table(header, out)
+
+
 def change_table(changes: list[Change]) -> Table:
     rows = [[f"`{c.name}`", f"{c.old_ms:.3f}", f"{c.new_ms:.3f}", f"{c.ratio:.3f}",
              "" if c.pvalue is None else f"{c.pvalue:.4f}",
@@ -324,6 +344,8 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
     if attention:
         report.heading("Summary: the fastest kernel against the fastest peer")
         report.table(headline_table(headlines(results), peer_overheads(results)))
+    if any(s.kv != "f32" for s in results.shapes()):
+        _kv_section(report, results)
     if results.cliff_shapes():
         _cliff_section(report, results, out)
     if results.gemm_shapes():
@@ -388,6 +410,26 @@ def _has_attention(results: Results) -> bool:
     attention part's empty tables say so, as before the gemm and layer families)."""
     return bool(results.shapes()) or not (results.gemm_shapes() or results.layer_shapes()
                                           or results.cliff_shapes())
+
+
+KV_TITLE = "Reduced-precision KV caches: K and V in f16, bf16 and i8"
+
+
+def _kv_section(report: Report, results: Results) -> None:
+    report.heading(KV_TITLE)
+    report.para(
+        "The same shapes with K and V stored in f16, bf16, or i8 with an fp32 scale per "
+        "(token, KV head) row (mha/kv_types.h), read in place by the kernels that read the "
+        "type (the others are absent from these rows, as is a peer without that form). GB/s "
+        "counts the bytes actually read: the elements in their type and i8's scales. The "
+        "speedups are over the fastest fp32 kernel of the same shape and over the same "
+        "kernel's fp32 time, round by round. The errors are what the type costs on the "
+        "benchmark's inputs (reference/sensitive.h: a few keys dominate each row, so a "
+        "rounded key moves its logit visibly): the exact output on the stored values against "
+        "the exact output on the fp32 values they were rounded from, over the rows the check "
+        "reads; the kernels' own error against the stored values is the fp32 tolerance's."
+        + _dram_note(results))
+    report.table(kv_table(kv_rows(results)))
 
 
 def _dram_note(results: Results) -> str:

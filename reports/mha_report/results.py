@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 NAME = re.compile(
     r"^(?P<family>[a-z]+)/(?P<impl>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)/Hkv:(?P<kv_heads>\d+)"
     r"/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)/causal:(?P<causal>[01])"
-    r"/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
+    r"(?:/kv:(?P<kv>f16|bf16|i8))?/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
 CLIFF_NAME = re.compile(
     r"^cliffs/(?P<impl>[^/]+)/caches:(?P<caches>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)"
     r"/Hkv:(?P<kv_heads>\d+)/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)"
@@ -53,7 +53,11 @@ LAYER_NAME = re.compile(
 # this project: portable, avx2, avx512, neon, ...).
 GEMM_LIBRARIES = ("openblas", "onednn")
 COUNTERS = ("GFLOPS", "peak_frac", "GBps", "bw_frac", "kv_bytes", "kv_cache_bytes",
-            "dram_gbps_now", "l2_gbps_now", "l3_gbps_now", "peak_gflops_now", "roof_frac")
+            "dram_gbps_now", "l2_gbps_now", "l3_gbps_now", "peak_gflops_now", "roof_frac",
+            "kv_err_max", "kv_err_rms")
+
+# Bytes of one stored K or V element by KV type (an i8 row adds its 4-byte scale).
+KV_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i8": 1}
 
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -69,23 +73,28 @@ class Shape:
     dim: int
     causal: bool
     threads: int
+    kv: str = "f32"  # K and V as stored: f32, f16, bf16 or i8 ("/kv:<type>" unless f32)
 
     def name(self, impl: str = "*") -> str:
+        kv = "" if self.kv == "f32" else f"/kv:{self.kv}"
         return (f"{self.family}/{impl}/B:{self.batch}/H:{self.heads}/Hkv:{self.kv_heads}"
                 f"/Lq:{self.q_len}/Lk:{self.kv_len}/D:{self.dim}/causal:{int(self.causal)}"
-                f"/threads:{self.threads}")
+                f"{kv}/threads:{self.threads}")
 
     def label(self) -> str:
         """Short, for tables: 'H=32 Hkv=8 L=2048 D=128 causal, 1 thread'."""
         length = f"Lk={self.kv_len}" if self.family == "decode" else (
             f"L={self.q_len}" if self.q_len == self.kv_len else f"Lq={self.q_len} Lk={self.kv_len}")
         batch = f"B={self.batch} " if self.batch != 1 else ""
+        kv = "" if self.kv == "f32" else f" KV {self.kv}"
         return (f"{batch}H={self.heads} Hkv={self.kv_heads} {length} D={self.dim}"
-                f"{' causal' if self.causal and self.family != 'decode' else ''}, "
+                f"{' causal' if self.causal and self.family != 'decode' else ''}{kv}, "
                 f"{self.threads} thread{'s' if self.threads > 1 else ''}")
 
     def kv_bytes(self) -> int:
-        return self.batch * self.kv_heads * self.kv_len * self.dim * 2 * 4
+        """Bytes of K and V as stored: elements of the KV type, and i8's row scales."""
+        row = self.dim * KV_TYPE_BYTES[self.kv] + (4 if self.kv == "i8" else 0)
+        return self.batch * self.kv_heads * self.kv_len * row * 2
 
     def io_bytes(self) -> int:
         """Unique bytes of q, k, v and o: the least traffic a call can have."""
@@ -325,7 +334,7 @@ def parse_name(name: str) -> tuple[AnyShape, str] | None:
         g = m.groupdict()
         return Shape(g["family"], int(g["batch"]), int(g["heads"]), int(g["kv_heads"]),
                      int(g["q_len"]), int(g["kv_len"]), int(g["dim"]), g["causal"] == "1",
-                     int(g["threads"])), g["impl"]
+                     int(g["threads"]), g["kv"] or "f32"), g["impl"]
     return None
 
 

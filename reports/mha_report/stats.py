@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .results import (AnyShape, GemmShape, LayerShape, Results, Shape, is_composed, is_kernel,
@@ -225,6 +225,58 @@ def kv_head_groups(results: Results) -> list[list[LayerRow]]:
             groups.setdefault(key, []).append(row)
     return [sorted(g, key=lambda r: -r.shape.kv_heads) for _, g in sorted(groups.items())
             if len({r.shape.kv_heads for r in g}) >= 2]
+
+
+@dataclass
+class KvRow:
+    """One shape with K and V in a reduced type: its fastest kernel against the fastest on
+    the same shape in fp32, and what the type costs in accuracy on the benchmark's inputs."""
+    shape: Shape
+    kernel: Best
+    gbps: Spread | None  # the kernel's, in the bytes it reads (elements and scales)
+    bw_frac: Spread | None
+    fp32: Best  # the fastest kernel on the same shape with fp32 K and V
+    vs_fp32: Spread | None  # time(fp32 best) / time(best), round by round
+    own_vs_fp32: Spread | None  # the same kernel: time(its fp32) / time(reduced)
+    peer: Best  # the fastest peer in the same precision, if any
+    vs_peer: Spread | None
+    err_max: float | None  # the quantization error: max |o - o_fp32| over the checked rows
+    err_rms: float | None  # its RMS over the RMS output
+
+
+def _paired_across(results: Results, slow: tuple[Shape, str], fast: tuple[Shape, str]
+                   ) -> Spread | None:
+    """time(slow) / time(fast) for two (shape, implementation) pairs, round by round."""
+    a, b = results.round_times(*slow), results.round_times(*fast)
+    return Spread.of([a[k] / b[k] for k in sorted(a.keys() & b.keys()) if b[k] > 0])
+
+
+def kv_rows(results: Results) -> list[KvRow]:
+    """Per shape with a reduced KV type, by family, shape and type."""
+    order = {"f16": 0, "bf16": 1, "i8": 2}
+    shapes = sorted((s for s in results.shapes() if s.kv != "f32"),
+                    key=lambda s: (s.family, replace(s, kv="f32"), order.get(s.kv, 9)))
+    out = []
+    for shape in shapes:
+        impls = results.impls_of(shape)
+        kernel = best_of(results, shape, [i for i in impls if is_kernel(i)])
+        fp32_shape = replace(shape, kv="f32")
+        fp32 = best_of(results, fp32_shape,
+                       [i for i in results.impls_of(fp32_shape) if is_kernel(i)])
+        peer = best_of(results, shape, [i for i in impls if is_peer(i)])
+        errors = {key: [v for i in impls for v in results.counter(shape, i, key)]
+                  for key in ("kv_err_max", "kv_err_rms")}
+        out.append(KvRow(
+            shape, kernel, _counter(results, shape, kernel, "GBps"),
+            _counter(results, shape, kernel, "bw_frac"), fp32,
+            _paired_across(results, (fp32_shape, fp32.impl), (shape, kernel.impl))
+            if fp32.impl and kernel.impl else None,
+            _paired_across(results, (fp32_shape, kernel.impl), (shape, kernel.impl))
+            if kernel.impl else None,
+            peer, _speedup_over(results, shape, peer, kernel),
+            max(errors["kv_err_max"]) if errors["kv_err_max"] else None,
+            max(errors["kv_err_rms"]) if errors["kv_err_rms"] else None))
+    return out
 
 
 @dataclass

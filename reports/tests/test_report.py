@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,48 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     empty = tmp_path / "empty.json"
     empty.write_text('{"context": {}, "benchmarks": []}')
     assert main([str(empty), "--out", str(tmp_path / "x")]) == 2
+
+
+def with_kv_f16(raw: dict, factor: float) -> dict:
+    """The fixture plus, for every kernel's decode run, the same run with K and V in f16
+    ("/kv:f16" in its name) taking `factor` of its time, with quantization-error counters."""
+    data = copy.deepcopy(raw)
+    extra = []
+    for b in iterations(data):
+        parsed = res.parse_name(b["name"])
+        if parsed is None or not isinstance(parsed[0], res.Shape):
+            continue
+        shape, impl = parsed
+        if shape.family != "decode" or not res.is_kernel(impl) or b.get("error_occurred"):
+            continue
+        extra.append(dict(b, name=b["name"].replace("/threads:", "/kv:f16/threads:"),
+                          real_time=b["real_time"] * factor, kv_err_max=1e-3, kv_err_rms=2e-4))
+    data["benchmarks"] += extra
+    return data
+
+
+def test_kv_type_in_names_and_rows(raw: dict, tmp_path: Path) -> None:
+    m = res.NAME.match("decode/avx2/B:1/H:32/Hkv:8/Lq:1/Lk:4096/D:128/causal:1/kv:i8/threads:1"
+                       "/real_time")
+    assert m and m["kv"] == "i8" and m["threads"] == "1"
+    assert res.NAME.match("decode/avx2/B:1/H:32/Hkv:8/Lq:1/Lk:4096/D:128/causal:1/kv:f64/"
+                          "threads:1") is None
+    shape, _ = res.parse_name("decode/avx2/B:1/H:32/Hkv:8/Lq:1/Lk:4096/D:128/causal:1/kv:i8/"
+                              "threads:1")
+    assert shape.kv == "i8" and shape.name("x").endswith("/causal:1/kv:i8/threads:1")
+    assert shape.kv_bytes() == 2 * 8 * 4096 * (128 + 4)
+    run = res.parse(with_kv_f16(raw, 0.5))
+    rows = stats.kv_rows(run)
+    assert rows and all(r.shape.kv == "f16" for r in rows)
+    for r in rows:
+        fp32 = replace(r.shape, kv="f32")
+        assert r.fp32.impl == stats.fastest(run, fp32, [i for i in run.impls_of(fp32)
+                                                       if res.is_kernel(i)])
+        assert r.own_vs_fp32.median == pytest.approx(2.0)
+        assert r.err_max == pytest.approx(1e-3) and r.err_rms == pytest.approx(2e-4)
+    # The reduced shapes stay out of the fp32 sweeps and have their own section.
+    report = build(run, tmp_path)
+    text = report.markdown()
+    assert "## Reduced-precision KV caches" in text
+    assert text.count("| f16 |") == len(rows)
+    assert "Reduced-precision" not in build(res.parse(raw), tmp_path).markdown()
