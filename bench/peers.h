@@ -138,6 +138,25 @@ struct LayerTensors {
 /// errs by orders of magnitude more.
 constexpr double kPeerExpUlp = 8.0;
 
+/// How far a peer's output may be from the reference: the tolerance of a kernel whose exp
+/// errs by `exp_ulp`, plus `extra_v` times the row's largest |v| (reference/tolerance.h).
+struct PeerBound {
+  double exp_ulp = kPeerExpUlp;
+  double extra_v = 0.0;
+};
+
+/// The bound for a peer computing with K and V of type t. fp32: kPeerExpUlp. f16 and bf16
+/// (unit roundoff u_t = 2^-11, 2^-8): the frameworks' reduced-precision attention takes q, K
+/// and V in the type (mha_bench gives q rounded to it, so the reference sees the same q),
+/// forms the logits and the softmax in fp32, and may round each weight to the type before
+/// the product with V (PyTorch's CPU flash attention does, and accumulates in fp32) and the
+/// output once more. A weight rounded by u_t is an exp error u_t larger: exp_ulp grows to
+/// ((1 + exp_ulp 2^-23)(1 + u_t) - 1) 2^23 (tolerance.h, step 2). Rounded weights in the
+/// numerator only (the denominator summing the unrounded ones) scale the output by a factor
+/// within u_t of 1, and rounding the output moves it by u_t |o| more, |o| <= V: extra_v =
+/// 2 u_t + u_t^2.
+PeerBound peer_bound(KvType t);
+
 /// The peer server: a child process, started once, serving every peer benchmark.
 class PeerServer {
  public:

@@ -334,7 +334,8 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
         report.heading("Peers")
         report.para(
             "Each peer runs in fp32 (the frameworks' f32 precision, no reduced-precision "
-            "hints) with the benchmark's thread count as its intra-op threads and one "
+            "hints; on the reduced-KV shapes in the cache's type where its form reads it) "
+            "with the benchmark's thread count as its intra-op threads and one "
             "inter-op thread, on the kernels' own input tensors. Its per-call overhead is its "
             "time per call on a trivial decode step (2 query heads, 16 keys of 16 floats, 1 "
             "thread); the summary shows it beside a best peer's time under a millisecond.")

@@ -111,24 +111,38 @@ def load_torch() -> Any:
 class TorchSdpa(Peer):
     """torch.nn.functional.scaled_dot_product_attention on [B, H, L, D] views of the
     tensors (no copy), enable_gqa for Hkv < H; bottom-right causal with q_len != kv_len
-    through a boolean mask, since is_causal aligns top-left."""
+    through a boolean mask, since is_causal aligns top-left. K and V in f16 or bf16 are read
+    in place as torch.float16 or torch.bfloat16; SDPA takes q in the same type (converted
+    once, at prepare: mha_bench gives q rounded to it, so exactly) and returns its output in
+    it."""
 
     how = (
         "layout: [B, H, L, D] views, no copy; GQA: enable_gqa; mask: is_causal (Lq = Lk), "
-        "else boolean; fused path: PyTorch picks (not checked)")
+        "else boolean; f16/bf16 K, V in place, q in their type, output in it; fused path: "
+        "PyTorch picks (not checked)")
 
     name = "peer-torch-sdpa"
     package = "torch"
+    kv_types = ("f32", "f16", "bf16")
 
     def load(self) -> None:
         self.torch = load_torch()
 
+    def tensors(self, p: Problem, xs: list[np.ndarray], kv: bool) -> list[Any]:
+        """[B, L, H, D] arrays as torch tensors of the problem's KV type: K and V (kv) on
+        their own memory, q converted."""
+        torch = self.torch
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[p.kv_type]
+        if not kv:
+            return [torch.from_numpy(x).to(dtype) for x in xs]
+        out = [torch.from_numpy(x) for x in xs]
+        return [x.view(torch.bfloat16) for x in out] if p.kv_type == "bf16" else out
+
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         torch = self.torch
         torch.set_num_threads(threads)
-        heads_first = [
-            [torch.from_numpy(x).permute(0, 2, 1, 3) for x in xs] for xs in (t.q, t.k, t.v)
-        ]
+        heads_first = [[x.permute(0, 2, 1, 3) for x in self.tensors(p, xs, kv)]
+                       for xs, kv in ((t.q, False), (t.k, True), (t.v, True))]
         mask = torch.from_numpy(p.visible()) if p.mask is Mask.EXPLICIT else None
         self.out = None
 
@@ -142,7 +156,7 @@ class TorchSdpa(Peer):
         return call
 
     def write_output(self, p: Problem, t: Tensors) -> None:
-        t.o[...] = self.out.permute(0, 2, 1, 3).numpy()
+        t.o[...] = self.out.permute(0, 2, 1, 3).float().numpy()
 
 
 class _Grouped:
@@ -177,8 +191,9 @@ class TorchSdpaGrouped(_Grouped, TorchSdpa):
         torch.set_num_threads(threads)
         b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim
         # [B, 1, H, D] -> [B, Hkv, g, D]: splits the head axis, a view for any strides.
-        q = torch.from_numpy(t.q[0]).view(b, hkv, g, d)
-        kv = [[torch.from_numpy(x).permute(0, 2, 1, 3) for x in xs] for xs in (t.k, t.v)]
+        q = self.tensors(p, t.q[:1], kv=False)[0].view(b, hkv, g, d)
+        kv = [[x.permute(0, 2, 1, 3) for x in self.tensors(p, xs, kv=True)]
+              for xs in (t.k, t.v)]
         self.out = None
 
         def call(c: int) -> None:
@@ -190,7 +205,7 @@ class TorchSdpaGrouped(_Grouped, TorchSdpa):
         return call
 
     def write_output(self, p: Problem, t: Tensors) -> None:
-        t.o[...] = self.out.reshape(p.batch, 1, p.q_heads, p.head_dim).numpy()
+        t.o[...] = self.out.reshape(p.batch, 1, p.q_heads, p.head_dim).float().numpy()
 
 
 class _Ort(Peer):
@@ -484,10 +499,14 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
 
     how = (
         "opset13 SDPA in the stateful KV-cache form of an exported LLM, K, V broadcast over "
-        "each group; prefill and decode only; fused path: yes, its ScaledDotProductAttention "
-        "node (asserted by the peer tests)")
+        "each group; prefill and decode only; f16/bf16 K, V: KV_CACHE_PRECISION of the type; "
+        "fused path: yes, its ScaledDotProductAttention node (asserted by the peer tests)")
 
     name = "peer-openvino-sdpa-kvcache"
+    # f16 and bf16 through the plugin's KV_CACHE_PRECISION: the cache is given (and set as
+    # the state) in fp32 holding the stored values, which the plugin keeps in the type
+    # exactly.
+    kv_types = ("f32", "f16", "bf16")
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.q_len != 1 and p.q_len != p.kv_len:
@@ -540,7 +559,7 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     def compile(self, p: Problem, k_head_major: bool, v_head_major: bool, threads: int) -> Any:
         return self.core.compile_model(self.model(p, k_head_major, v_head_major), "CPU", {
             "INFERENCE_PRECISION_HINT": "f32",
-            "KV_CACHE_PRECISION": "f32",
+            "KV_CACHE_PRECISION": p.kv_type,
             "INFERENCE_NUM_THREADS": threads,
             "NUM_STREAMS": 1,
             "PERFORMANCE_HINT": "LATENCY",
@@ -556,6 +575,10 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
 
         def layout(x: np.ndarray, head_major: bool) -> np.ndarray:
             return as_head_major(x) if head_major else as_token_major(x)
+
+        if p.kv_type != "f32":  # the stored values in fp32, in the same layouts
+            t = Tensors(t.q, [t.widened(p, "k", c) for c in range(t.copies)],
+                        [t.widened(p, "v", c) for c in range(t.copies)], t.o)
 
         # The arrays stay referenced here as long as the tensors that share their memory.
         self.arrays = [[as_token_major(x) for x in t.q]]

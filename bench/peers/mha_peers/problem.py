@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -123,16 +123,24 @@ def dense_head_major(length: int, heads: int, dim: int) -> Strides:
     return (heads * length * dim, dim, length * dim)
 
 
-def view(buffer: np.ndarray, batch: int, length: int, heads: int, dim: int, strides: Strides
-         ) -> np.ndarray:
-    """The [batch, length, heads, dim] view of a flat float32 buffer with element strides."""
+# The numpy dtype a KV type's elements are read as: bf16, which numpy lacks, as its 16 bits
+# (uint16; torch views them as bfloat16), i8 as int8 (its scales are float32).
+KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i8": np.int8}
+
+
+def view(buffer: np.ndarray, batch: int, length: int, heads: int, dim: int, strides: Strides,
+         dtype: type = np.float32) -> np.ndarray:
+    """The [batch, length, heads, dim] view of a flat buffer (float32 storage) holding
+    elements of `dtype`, with strides in those elements."""
+    flat = buffer.view(dtype)
+    item = flat.itemsize
     b, s, h = strides
     extent = (batch - 1) * b + (length - 1) * s + (heads - 1) * h + dim
-    if extent > buffer.size:
-        raise ValueError(f"tensor needs {extent} floats, its buffer holds {buffer.size}")
+    if extent > flat.size:
+        raise ValueError(f"tensor needs {extent} elements, its buffer holds {flat.size}")
     return np.lib.stride_tricks.as_strided(
-        buffer, shape=(batch, length, heads, dim),
-        strides=(b * _FLOAT, s * _FLOAT, h * _FLOAT, _FLOAT), writeable=buffer.flags.writeable)
+        flat, shape=(batch, length, heads, dim),
+        strides=(b * item, s * item, h * item, item), writeable=buffer.flags.writeable)
 
 
 class SharedBuffers:
@@ -162,15 +170,42 @@ class Tensors:
     v: list[np.ndarray]
     o: np.ndarray
 
+    # i8's per-row scales, [batch, kv_len, kv_heads, 1] views, one per copy (else empty).
+    k_scale: list[np.ndarray] = field(default_factory=list)
+    v_scale: list[np.ndarray] = field(default_factory=list)
+
     @staticmethod
     def from_buffers(p: Problem, q: list[np.ndarray], k: list[np.ndarray], v: list[np.ndarray],
-                     o: np.ndarray) -> "Tensors":
+                     o: np.ndarray, k_scale: list[np.ndarray] | None = None,
+                     v_scale: list[np.ndarray] | None = None) -> "Tensors":
+        """K and V (and i8's scales, required then) as p.kv_type stores them."""
+        kv = KV_DTYPES[p.kv_type]
+        scales: dict[str, list[np.ndarray]] = {"k": [], "v": []}
+        if p.kv_type == "i8":
+            if not k_scale or not v_scale:
+                raise ValueError("kv_type i8 needs k_scale and v_scale")
+            scales = {
+                "k": [view(b, p.batch, p.kv_len, p.kv_heads, 1, p.k_scale_strides)
+                      for b in k_scale],
+                "v": [view(b, p.batch, p.kv_len, p.kv_heads, 1, p.v_scale_strides)
+                      for b in v_scale]}
         return Tensors(
             q=[view(b, p.batch, p.q_len, p.q_heads, p.head_dim, p.q_strides) for b in q],
-            k=[view(b, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.k_strides) for b in k],
-            v=[view(b, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.v_strides) for b in v],
+            k=[view(b, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.k_strides, kv) for b in k],
+            v=[view(b, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.v_strides, kv) for b in v],
             o=view(o, p.batch, p.q_len, p.q_heads, p.head_dim, p.o_strides),
+            k_scale=scales["k"], v_scale=scales["v"],
         )
+
+    def widened(self, p: Problem, name: str, c: int) -> np.ndarray:
+        """Copy c of k or v (`name`) in float32: the stored values exactly (f16 and bf16
+        widen exactly; i8 as q s, rounded once, as a kernel forms it)."""
+        x = getattr(self, name)[c]
+        if p.kv_type == "bf16":
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        if p.kv_type == "i8":
+            return x.astype(np.float32) * getattr(self, f"{name}_scale")[c]
+        return x.astype(np.float32)
 
     @property
     def copies(self) -> int:

@@ -102,10 +102,12 @@ class Server:
         copies = 1
         if isinstance(peer, Peer):
             p = Problem.parse(fields)
-            files = {n: fields[n].split(",") for n in ("q", "k", "v", "o")}
+            names = ["q", "k", "v", "o"] + (["k_scale", "v_scale"] if p.kv_type == "i8" else [])
+            files = {n: fields[n].split(",") for n in names}
             buffers = {n: [self.buffers.get(f) for f in fs] for n, fs in files.items()}
             t = Tensors.from_buffers(p, buffers["q"], buffers["k"], buffers["v"],
-                                     buffers["o"][0])
+                                     buffers["o"][0], buffers.get("k_scale"),
+                                     buffers.get("v_scale"))
             call = peer.prepare(p, t, threads)
             write, copies = partial(peer.write_output, p, t), t.copies
         elif isinstance(peer, GemmPeer):

@@ -10,6 +10,7 @@ import io
 import math
 import mmap
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -122,19 +123,77 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     assert err <= error_bound(p), f"{peer.name} on {case}: max |error| {err:.3g}"
 
 
+def rounded(x: np.ndarray, kv_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """x (float32) rounded to f16 or bf16 (to nearest, ties to even): its bits in a float32
+    buffer (as mha_bench's memfd tensors hold them) and its values widened to float32."""
+    if kv_type == "f16":
+        bits = x.astype(np.float16).view(np.uint16)
+    else:
+        u = x.view(np.uint32).astype(np.uint64)
+        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    wide = (bits.astype(np.uint32) << 16).view(np.float32) if kv_type == "bf16" else (
+        bits.view(np.float16).astype(np.float32))
+    storage = np.zeros((bits.size + 1) // 2, dtype=np.float32)
+    storage.view(np.uint16)[:bits.size] = bits
+    return storage, wide
+
+
+REDUCED_CASES = ("decode-head-major", "prefill-causal-gqa", "decode-mqa-token-major")
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "bf16"])
+@pytest.mark.parametrize("case", REDUCED_CASES)
+@pytest.mark.parametrize("cls", ATTENTION, ids=lambda c: c.name)
+def test_peer_reads_a_reduced_kv_type(cls: type[Peer], case: str, kv_type: str) -> None:
+    """K and V stored in f16 or bf16, q rounded to the type as mha_bench gives it: the peers
+    with a form for the type match attention in double on the stored values within the fp32
+    bound plus what their arithmetic in the type may cost (bench/peers.h, peer_bound: a
+    weight rounded to the type, the numerator's and the output's rounding; |v| <= 1 here)."""
+    peer = loaded(cls)
+    assert isinstance(peer, Peer)
+    p = replace(make_problem(**CASES[case]), kv_type=kv_type)
+    why = peer.why_unsupported(p)
+    if why is not None:
+        assert kv_type not in cls.kv_types or why == cls().why_unsupported(
+            replace(p, kv_type="f32")), why
+        pytest.skip(why)
+    rng = np.random.default_rng(11)
+    q, k, v, o = buffers(p, rng, copies=2)
+    q = [rounded(x, kv_type)[1] for x in q]
+    stored = {n: [rounded(x, kv_type) for x in xs] for n, xs in (("k", k), ("v", v))}
+    t = Tensors.from_buffers(p, q, [s for s, _ in stored["k"]], [s for s, _ in stored["v"]], o)
+    call = peer.prepare(p, t, threads=1)
+    for c in (0,) if cls is OpenVinoSdpaKvCache and p.q_len == 1 else (1, 0):
+        call(c)
+    peer.write_output(p, t)
+    f32 = replace(p, kv_type="f32")
+    wide = Tensors.from_buffers(f32, q, [w for _, w in stored["k"]], [w for _, w in stored["v"]],
+                                o.copy())
+    want = attention(f32, wide.q[0], wide.k[0], wide.v[0])
+    u = 2.0 ** -11 if kv_type == "f16" else 2.0 ** -8
+    bound = error_bound(p) + 2 * u + 2 * u + u * u
+    err = np.abs(t.o - want).max()
+    assert err <= bound, f"{peer.name} on {case} in {kv_type}: max |error| {err:.3g} > {bound:.3g}"
+
+
 @pytest.mark.parametrize("kind", ["prefill", "prefill-causal", "decode", "decode-gqa",
-                                  "decode-mqa", "prefill-gqa-token-major"])
+                                  "decode-mqa", "prefill-gqa-token-major", "decode-f16",
+                                  "decode-gqa-bf16"])
 def test_openvino_kv_cache_keeps_the_fused_node(kind: str) -> None:
     """The CPU plugin compiles peer-openvino-sdpa-kvcache's model for every kind of problem
     with its ScaledDotProductAttention node, not a MatMul, Softmax, MatMul decomposition or
-    a Snippets subgraph (the plain opset13 model gets those)."""
+    a Snippets subgraph (the plain opset13 model gets those); with an f16 or bf16 cache
+    too."""
     peer = loaded(OpenVinoSdpaKvCache)
     assert isinstance(peer, OpenVinoSdpaKvCache)
-    heads, kv_heads = {"decode-gqa": (8, 2), "decode-mqa": (8, 1),
+    heads, kv_heads = {"decode-gqa": (8, 2), "decode-mqa": (8, 1), "decode-gqa-bf16": (8, 2),
                        "prefill-gqa-token-major": (8, 2)}.get(kind, (4, 4))
     q_len = 1 if kind.startswith("decode") else 64
     p = make_problem(1, q_len, 64 if q_len > 1 else 256, heads, kv_heads, 32,
                      causal=kind != "prefill", kv_head_major=kind != "prefill-gqa-token-major")
+    for kv_type in ("f16", "bf16"):
+        if kind.endswith(kv_type):
+            p = replace(p, kv_type=kv_type)
     head_major = kind != "prefill-gqa-token-major"
     types = peer.runtime_layer_types(p, head_major, head_major)
     assert "ScaledDotProductAttention" in types, sorted(types)
@@ -224,8 +283,8 @@ def test_server_protocol_end_to_end() -> None:
 
 
 def test_reduced_kv_types_are_parsed_and_refused() -> None:
-    """kv_type (and i8's scale strides) reach the problem; every peer's form reads f32 K and
-    V, so it answers no for the others, naming the type, and a prepare of them is an error."""
+    """kv_type (and i8's scale strides) reach the problem; a peer whose form does not read
+    the type answers no, naming it, and a prepare of it is an error."""
     base = ("batch=1 q_len=1 kv_len=6 q_heads=2 kv_heads=1 head_dim=4 causal=1 scale=0.5 "
             "q_strides=8,8,4 k_strides=24,4,24 v_strides=24,4,24 o_strides=8,8,4")
     fields = dict(w.split("=") for w in base.split())
@@ -236,11 +295,19 @@ def test_reduced_kv_types_are_parsed_and_refused() -> None:
     with pytest.raises(ValueError, match="kv_type 'f64'"):
         Problem.parse({**fields, "kv_type": "f64"})
     server = Server([cls() for cls in ATTENTION])
-    for name in server.peers:
-        reply = server.handle(f"supports {name} {base} kv_type=f16")
-        assert reply.startswith("no ") and "f16" in reply, (name, reply)
-        assert server.handle(f"prepare {name} {base} kv_type=bf16 threads=1").startswith(
-            "error unsupported"), name
+    i8_fields = f"{base} kv_type=i8 k_scale_strides=6,1,6 v_scale_strides=6,1,6"
+    refused = 0
+    for name, peer in server.peers.items():
+        assert isinstance(peer, Peer)
+        for kv_type, fields in (("bf16", f"{base} kv_type=bf16"), ("i8", i8_fields)):
+            if kv_type in peer.kv_types:
+                continue
+            reply = server.handle(f"supports {name} {fields}")
+            assert reply.startswith("no ") and kv_type in reply, (name, reply)
+            assert server.handle(f"prepare {name} {fields} threads=1").startswith(
+                "error unsupported"), name
+            refused += 1
+    assert refused >= len(server.peers)  # none reads i8 yet
 
 
 def test_greeting_ends_with_ready() -> None:
