@@ -114,7 +114,7 @@ double seconds_from(const std::string& reply, std::string* why) {
 PeerBound peer_bound(KvType t) {
   if (t != KvType::f16 && t != KvType::bf16) return {};
   const double u = t == KvType::f16 ? 0x1p-11 : 0x1p-8;
-  return {((1.0 + kPeerExpUlp * 0x1p-23) * (1.0 + u) - 1.0) * 0x1p23, 2.0 * u + u * u};
+  return {kPeerExpUlp, 2.0 * u / (1.0 - u) + u};
 }
 
 void* shared_allocate(std::size_t bytes) {

@@ -146,15 +146,17 @@ struct PeerBound {
 };
 
 /// The bound for a peer computing with K and V of type t. fp32: kPeerExpUlp. f16 and bf16
-/// (unit roundoff u_t = 2^-11, 2^-8): the frameworks' reduced-precision attention takes q, K
+/// (unit roundoff u = 2^-11, 2^-8): the frameworks' reduced-precision attention takes q, K
 /// and V in the type (mha_bench gives q rounded to it, so the reference sees the same q),
 /// forms the logits and the softmax in fp32, and may round each weight to the type before
-/// the product with V (PyTorch's CPU flash attention does, and accumulates in fp32) and the
-/// output once more. A weight rounded by u_t is an exp error u_t larger: exp_ulp grows to
-/// ((1 + exp_ulp 2^-23)(1 + u_t) - 1) 2^23 (tolerance.h, step 2). Rounded weights in the
-/// numerator only (the denominator summing the unrounded ones) scale the output by a factor
-/// within u_t of 1, and rounding the output moves it by u_t |o| more, |o| <= V: extra_v =
-/// 2 u_t + u_t^2.
+/// the product with V (PyTorch's CPU flash attention does, and accumulates in fp32), then
+/// rounds the output. Weights p_j (1 + e_j), |e_j| <= u: normalized again (rounded in the
+/// denominator too) they move by at most 2u / (1 - u) in total (tolerance.h, step 2), so the
+/// output by that times V; with the denominator summing the unrounded weights, the output is
+/// off by sum_j p_j e_j v_j, at most u V. The larger, 2u / (1 - u) V, plus the output's own
+/// rounding, u |o| <= u V: extra_v = 2u / (1 - u) + u. What this bound cannot see on such a
+/// peer: an output change below its rounding (bf16: 2^-8 relative), e.g. 1 % of 131072 keys
+/// dropped; a missing dominant key or a zero output it rejects (bench/peers/tests).
 PeerBound peer_bound(KvType t);
 
 /// The peer server: a child process, started once, serving every peer benchmark.

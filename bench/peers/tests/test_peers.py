@@ -147,8 +147,8 @@ REDUCED_CASES = ("decode-head-major", "prefill-causal-gqa", "decode-mqa-token-ma
 def test_peer_reads_a_reduced_kv_type(cls: type[Peer], case: str, kv_type: str) -> None:
     """K and V stored in f16 or bf16, q rounded to the type as mha_bench gives it: the peers
     with a form for the type match attention in double on the stored values within the fp32
-    bound plus what their arithmetic in the type may cost (bench/peers.h, peer_bound: a
-    weight rounded to the type, the numerator's and the output's rounding; |v| <= 1 here)."""
+    bound plus what their arithmetic in the type may cost (bench/peers.h, peer_bound: the
+    weights rounded to the type, then the output; |v| <= 1 here)."""
     peer = loaded(cls)
     assert isinstance(peer, Peer)
     p = replace(make_problem(**CASES[case]), kv_type=kv_type)
@@ -171,7 +171,7 @@ def test_peer_reads_a_reduced_kv_type(cls: type[Peer], case: str, kv_type: str) 
                                 o.copy())
     want = attention(f32, wide.q[0], wide.k[0], wide.v[0])
     u = 2.0 ** -11 if kv_type == "f16" else 2.0 ** -8
-    bound = error_bound(p) + 2 * u + 2 * u + u * u
+    bound = error_bound(p) + 2 * u / (1 - u) + u
     err = np.abs(t.o - want).max()
     assert err <= bound, f"{peer.name} on {case} in {kv_type}: max |error| {err:.3g} > {bound:.3g}"
 
@@ -651,4 +651,36 @@ def test_bench_check_rejects_a_peer_returning_zeros() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     rejected = run.stdout.count("planted answer rejected")
     assert rejected >= len(installed), run.stdout[-2000:]  # each once, GQA only where causal
+    assert "not rejected" not in run.stderr
+
+
+def test_bench_check_rejects_a_reduced_precision_peer_without_its_dominant_key() -> None:
+    """On f16 and bf16 caches the check allows a peer's arithmetic in the type
+    (bench/peers.h, peer_bound); it must still reject a peer that drops each row's dominant
+    key (mha_bench --plant=middle-key, 32768 and 131072 keys)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    bench = Path(os.environ.get("MHA_BENCH", repo / "build" / "bench" / "mha_bench"))
+    if not bench.is_file():
+        pytest.skip(f"no mha_bench at {bench} (scripts/test.sh native builds it)")
+    typed = []
+    for cls in ATTENTION:
+        try:
+            cls().load()
+        except ImportError:
+            continue
+        typed += [cls.name] if "f16" in cls.kv_types else []
+    if not typed:
+        pytest.skip("no framework with a reduced-precision form installed")
+    command = f"env PYTHONPATH={repo / 'bench' / 'peers'} {sys.executable} -m mha_peers"
+    run = subprocess.run(
+        [str(bench), "--plant=middle-key", f"--peers={command}",
+         "--benchmark_filter=^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
+         "/kv:(f16|bf16)/threads:1/"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("planted answer rejected") >= 2 * len(typed), run.stdout[-2000:]
     assert "not rejected" not in run.stderr
