@@ -10,7 +10,10 @@ import io
 import math
 import mmap
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -622,14 +625,11 @@ def test_peers_answer_only_their_own_kind() -> None:
         "no kv_heads=3 does not divide")
 
 
-def test_bench_check_rejects_a_peer_returning_zeros() -> None:
-    """mha_bench --plant=zeros replaces each peer's answer by zeros before its output check
-    on a 131072-key decode: the check must reject it for every installed peer (the build's
-    mha_bench, or $MHA_BENCH)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def planted_bench_run(plant: str, benchmark_filter: str, kv_type: str = "f32"
+                      ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """mha_bench --plant=<plant> with the peer server on the benchmarks the filter selects
+    (the build's mha_bench, or $MHA_BENCH), and the installed peers whose form reads kv_type;
+    skips without either."""
     repo = Path(__file__).resolve().parents[3]
     bench = Path(os.environ.get("MHA_BENCH", repo / "build" / "bench" / "mha_bench"))
     if not bench.is_file():
@@ -638,16 +638,23 @@ def test_bench_check_rejects_a_peer_returning_zeros() -> None:
     for cls in ATTENTION:
         try:
             cls().load()
-            installed.append(cls.name)
         except ImportError:
-            pass
+            continue
+        installed += [cls.name] if kv_type in cls.kv_types else []
     if not installed:
-        pytest.skip("no framework installed")
+        pytest.skip(f"no framework with a {kv_type} form installed")
     command = f"env PYTHONPATH={repo / 'bench' / 'peers'} {sys.executable} -m mha_peers"
-    run = subprocess.run(
-        [str(bench), "--plant=zeros", f"--peers={command}",
-         "--benchmark_filter=^decode/peer-.*/H:8/Hkv:1/Lq:1/Lk:131072/.*threads:1/"],
-        capture_output=True, text=True, timeout=600)
+    run = subprocess.run([str(bench), f"--plant={plant}", f"--peers={command}",
+                          f"--benchmark_filter={benchmark_filter}"],
+                         capture_output=True, text=True, timeout=600)
+    return run, installed
+
+
+def test_bench_check_rejects_a_peer_returning_zeros() -> None:
+    """mha_bench --plant=zeros replaces each peer's answer by zeros before its output check
+    on a 131072-key decode: the check must reject it for every installed peer."""
+    run, installed = planted_bench_run(
+        "zeros", "^decode/peer-.*/H:8/Hkv:1/Lq:1/Lk:131072/.*threads:1/")
     assert run.returncode == 0, run.stderr[-2000:]
     rejected = run.stdout.count("planted answer rejected")
     assert rejected >= len(installed), run.stdout[-2000:]  # each once, GQA only where causal
@@ -658,29 +665,9 @@ def test_bench_check_rejects_a_reduced_precision_peer_without_its_dominant_key()
     """On f16 and bf16 caches the check allows a peer's arithmetic in the type
     (bench/peers.h, peer_bound); it must still reject a peer that drops each row's dominant
     key (mha_bench --plant=middle-key, 32768 and 131072 keys)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[3]
-    bench = Path(os.environ.get("MHA_BENCH", repo / "build" / "bench" / "mha_bench"))
-    if not bench.is_file():
-        pytest.skip(f"no mha_bench at {bench} (scripts/test.sh native builds it)")
-    typed = []
-    for cls in ATTENTION:
-        try:
-            cls().load()
-        except ImportError:
-            continue
-        typed += [cls.name] if "f16" in cls.kv_types else []
-    if not typed:
-        pytest.skip("no framework with a reduced-precision form installed")
-    command = f"env PYTHONPATH={repo / 'bench' / 'peers'} {sys.executable} -m mha_peers"
-    run = subprocess.run(
-        [str(bench), "--plant=middle-key", f"--peers={command}",
-         "--benchmark_filter=^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
-         "/kv:(f16|bf16)/threads:1/"],
-        capture_output=True, text=True, timeout=600)
+    run, installed = planted_bench_run(
+        "middle-key", "^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
+        "/kv:(f16|bf16)/threads:1/", kv_type="f16")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.count("planted answer rejected") >= 2 * len(typed), run.stdout[-2000:]
+    assert run.stdout.count("planted answer rejected") >= 2 * len(installed), run.stdout[-2000:]
     assert "not rejected" not in run.stderr
