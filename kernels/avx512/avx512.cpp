@@ -62,9 +62,20 @@
 // masked FMAs (_mm512_mask3_fmadd_ps keeps the lanes whose row does not see the key), so a
 // V row is never multiplied into a row that does not see it (0 x Inf or NaN would be NaN).
 //
-// ISA: AVX-512F + DQ (VREDUCEPS in the exp) + FMA; the code below the includes is compiled for
-// AVX-512F, VL, DQ, BW and FMA (MHA_TARGET_BEGIN in mha/support.h) and only called when the
-// CPU has them. The file needs no flags.
+// K and V of a reduced type (Problem::kv_type, mha/kv_types.h). Prefill converts each tile
+// as it copies it (copy_rows: a reduced type is always copied, so the microkernels read
+// fp32 rows); decode converts as it loads (load_kv: VCVTPH2PS for f16, a 16-bit shift for
+// bf16, sign extension and VCVTDQ2PS for i8), so the cache is read once, in its own type.
+// An i8 row's scale multiplies the finished logit in decode and each element in the copy:
+// one rounding, tolerance.h's step 6. Decode is a template over the type; prefill is one
+// function. The microkernels are MHA_NOINLINE and sum_lanes16 MHA_ALWAYS_INLINE: with the
+// typed decode in this file GCC's unit-growth limits moved the inlining otherwise (fp32
+// decode ran 1.08-1.27x slower with sum_lanes16 a call).
+//
+// ISA: AVX-512F + DQ (VREDUCEPS in the exp) + FMA, BW and VL (the masked 8- and 16-bit
+// loads of a reduced type); the code below the includes is compiled for AVX-512F, VL, DQ,
+// BW and FMA (MHA_TARGET_BEGIN in mha/support.h) and only called when the CPU has them. The
+// file needs no flags.
 //
 // Tails: any head_dim, key count and row count. Tensors are read by masked vector loads
 // and scalar loads of their own elements only; rows past R up to a whole vector are zero padding of
@@ -167,11 +178,16 @@ __mmask16 sees(__m512i cols, std::int64_t j) {
 // of those rows are touched; prefetches never fault.
 class Prefetch {
  public:
-  // Rows k[j], v[j] for j < keys (head_dim floats each), spread over `steps` step()s: a
-  // line of each every few steps, or a few lines every step.
-  Prefetch(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
-           std::int64_t keys, std::int64_t head_dim, std::int64_t steps)
-      : k_(k), v_(v), k_seq_(k_seq), v_seq_(v_seq), keys_(keys), row_lines_((head_dim + 15) / 16) {
+  // Rows k[j], v[j] for j < keys (row_bytes each, k_seq and v_seq bytes apart), spread over
+  // `steps` step()s: a line of each every few steps, or a few lines every step.
+  Prefetch(const void* k, std::int64_t k_seq, const void* v, std::int64_t v_seq, std::int64_t keys,
+           std::int64_t row_bytes, std::int64_t steps)
+      : k_(static_cast<const char*>(k)),
+        v_(static_cast<const char*>(v)),
+        k_seq_(k_seq),
+        v_seq_(v_seq),
+        keys_(keys),
+        row_lines_((row_bytes + 63) / 64) {
     const std::int64_t lines = std::max<std::int64_t>(1, keys * row_lines_);
     steps = std::max<std::int64_t>(1, steps);
     every_ = std::max<std::int64_t>(1, steps / lines);
@@ -182,8 +198,8 @@ class Prefetch {
     if (key_ == keys_ || ++tick_ < every_) return;
     tick_ = 0;
     for (std::int64_t n = 0; n < per_step_ && key_ < keys_; ++n) {
-      _mm_prefetch(reinterpret_cast<const char*>(k_ + line_ * 16), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(v_ + line_ * 16), _MM_HINT_T1);
+      _mm_prefetch(k_ + line_ * 64, _MM_HINT_T1);
+      _mm_prefetch(v_ + line_ * 64, _MM_HINT_T1);
       if (++line_ == row_lines_) {
         line_ = 0;
         // Not past the last key: its offset may overflow (check() bounds a stride only by
@@ -200,8 +216,8 @@ class Prefetch {
   }
 
  private:
-  const float* k_;
-  const float* v_;
+  const char* k_;
+  const char* v_;
   std::int64_t k_seq_, v_seq_, keys_, row_lines_, every_ = 1, per_step_ = 1, key_ = 0, line_ = 0,
                                                   tick_ = 0;
 };
@@ -226,20 +242,67 @@ struct Rows {
   std::int64_t seq;
 };
 
-// rows [0, keys) of a K or V tile (head_dim floats each, row stride `stride`) into `out`
-// with row stride ld: the microkernels' 12 broadcast rows then sit ld apart whatever the
-// tensor's layout (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128: 12 such rows
-// share one L1 set and evict each other).
-void copy_rows(const float* in, std::int64_t stride, std::int64_t keys, std::int64_t head_dim,
-               float* out, std::int64_t ld) {
+// Bytes of one element of K or V of type T.
+template <mha::KvType T>
+constexpr std::int64_t kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+
+// 16 elements of a K or V row of type T from element i, as floats: f16 by VCVTPH2PS, bf16
+// by a 16-bit shift, i8 by sign extension and VCVTDQ2PS (its scale is the caller's).
+// load_kv_masked: lanes outside `mask` 0, their memory not read.
+template <mha::KvType T>
+__m512 load_kv_masked(const unsigned char* row, std::int64_t i, __mmask16 mask) {
+  const unsigned char* x = row + i * kBytes<T>;
+  if constexpr (T == mha::KvType::f32) {
+    return _mm512_maskz_loadu_ps(mask, x);
+  } else if constexpr (T == mha::KvType::f16) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, x));
+  } else if constexpr (T == mha::KvType::bf16) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
+  } else {
+    static_assert(T == mha::KvType::i8);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, x)));
+  }
+}
+template <mha::KvType T>
+__m512 load_kv(const unsigned char* row, std::int64_t i) {
+  const unsigned char* x = row + i * kBytes<T>;
+  if constexpr (T == mha::KvType::f32) {
+    return _mm512_loadu_ps(x);
+  } else if constexpr (T == mha::KvType::f16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  } else if constexpr (T == mha::KvType::bf16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+  } else {
+    static_assert(T == mha::KvType::i8);
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+  }
+}
+
+// rows [0, keys) of a K or V tile (head_dim elements of type T each, `stride` bytes apart;
+// i8: times its scale, `scales` scale_seq apart, one rounding) into `out` as floats with row
+// stride ld: the microkernels' 12 broadcast rows then sit ld apart whatever the tensor's
+// layout (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128: 12 such rows share one
+// L1 set and evict each other), and a reduced type is converted once per tile.
+template <mha::KvType T>
+void copy_rows(const unsigned char* in, std::int64_t stride, const float* scales,
+               std::int64_t scale_seq, std::int64_t keys, std::int64_t head_dim, float* out,
+               std::int64_t ld) {
   for (std::int64_t j = 0; j < keys; ++j) {
-    const float* row = in + j * stride;
+    const unsigned char* row = in + j * stride;
     float* to = out + j * ld;
+    __m512 scale = _mm512_set1_ps(1.0f);
+    if constexpr (T == mha::KvType::i8) scale = _mm512_set1_ps(scales[j * scale_seq]);
+    const auto scaled = [&](__m512 x) {
+      return T == mha::KvType::i8 ? _mm512_mul_ps(x, scale) : x;
+    };
     std::int64_t d = 0;
-    for (; d + 16 <= head_dim; d += 16) _mm512_storeu_ps(to + d, _mm512_loadu_ps(row + d));
+    for (; d + 16 <= head_dim; d += 16) _mm512_storeu_ps(to + d, scaled(load_kv<T>(row, d)));
     if (d < head_dim) {
       const __mmask16 mask = first_lanes(head_dim - d);
-      _mm512_mask_storeu_ps(to + d, mask, _mm512_maskz_loadu_ps(mask, row + d));
+      _mm512_mask_storeu_ps(to + d, mask, scaled(load_kv_masked<T>(row, d, mask)));
     }
   }
 }
@@ -249,8 +312,8 @@ void copy_rows(const float* in, std::int64_t stride, std::int64_t keys, std::int
 // broadcasts, one from each key row, feed MK x NV independent FMAs.
 // qt: [head_dim][ld]   k: MK rows of head_dim floats, row stride k_seq   st: [MK][ld]
 template <int MK, int NV>
-void logits_tile(const float* qt, std::int64_t ld, const float* k, std::int64_t k_seq,
-                 std::int64_t head_dim, __m512 c, float* st, Prefetch* prefetch) {
+MHA_NOINLINE void logits_tile(const float* qt, std::int64_t ld, const float* k, std::int64_t k_seq,
+                              std::int64_t head_dim, __m512 c, float* st, Prefetch* prefetch) {
   __m512 acc[MK][NV];
   const float* key[MK];
 #pragma GCC unroll 12
@@ -286,9 +349,9 @@ void logits_tile(const float* qt, std::int64_t ld, const float* k, std::int64_t 
 // but 0 x Inf or 0 x NaN is NaN); alpha is then not applied (the unmasked pass did).
 // pt: [keys][ld]   v: `keys` rows, row stride v_seq, starting at column i0   ot: [MD][ld]
 template <int MD, int NV, bool kMasked>
-void pv_tile(const float* pt, std::int64_t ld, std::int64_t j0, std::int64_t keys, const float* v,
-             std::int64_t v_seq, float* ot, const float* alpha, const __m512i* cols,
-             Prefetch* prefetch) {
+MHA_NOINLINE void pv_tile(const float* pt, std::int64_t ld, std::int64_t j0, std::int64_t keys,
+                          const float* v, std::int64_t v_seq, float* ot, const float* alpha,
+                          const __m512i* cols, Prefetch* prefetch) {
   __m512 acc[MD][NV];
 #pragma GCC unroll 12
   for (int i = 0; i < MD; ++i) {
@@ -485,7 +548,7 @@ void divide_rows16(const float* panel, const float* l, std::int64_t head_dim,
 
 // lane i of the result = the sum of the 16 lanes of a[i]: sixteen dot products finished at
 // once (45 instructions instead of 16 horizontal sums).
-__m512 sum_lanes16(const __m512 (&a)[16]) {
+MHA_ALWAYS_INLINE __m512 sum_lanes16(const __m512 (&a)[16]) {
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i) {  // per 128-bit block: a0+a2, b0+b2, a1+a3, b1+b3
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
@@ -502,10 +565,11 @@ __m512 sum_lanes16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
-// a[i] += q . k_i over NV vectors (16 NV floats, the last vector's lanes limited to
-// `last`) for the first nk <= 16 of the 16 key rows k_i = k + i k_seq: decode's S step.
-template <int NV>
-void dot_16_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_t nk,
+// a[i] += q . k_i over NV vectors (16 NV elements, the last vector's lanes limited to
+// `last`) for the first nk <= 16 of the 16 key rows k_i = k + i k_seq (elements of type T,
+// k_seq bytes apart): decode's S step.
+template <int NV, mha::KvType T>
+void dot_16_keys(const float* q, const unsigned char* k, std::int64_t k_seq, std::int64_t nk,
                  __mmask16 last, __m512 (&a)[16]) {
   __m512 qv[NV];
 #pragma GCC unroll 8
@@ -515,12 +579,12 @@ void dot_16_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     if (i >= nk) break;
-    const float* key = k + i * k_seq;
+    const unsigned char* key = k + i * k_seq;
     __m512 dot = a[i];
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
       const __m512 kv =
-          c + 1 == NV ? _mm512_maskz_loadu_ps(last, key + 16 * c) : _mm512_loadu_ps(key + 16 * c);
+          c + 1 == NV ? load_kv_masked<T>(key, 16 * c, last) : load_kv<T>(key, 16 * c);
       dot = _mm512_fmadd_ps(qv[c], kv, dot);
     }
     a[i] = dot;
@@ -528,21 +592,22 @@ void dot_16_keys(const float* q, const float* k, std::int64_t k_seq, std::int64_
 }
 
 // acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited
-// to `last`) of the rows v_j = v + j v_seq: decode's P V step for one row.
-template <int NV>
-void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
-                       __mmask16 last, float* acc, __m512 alpha, Prefetch& prefetch) {
+// to `last`) of the rows v_j = v + j v_seq (elements of type T, v_seq bytes apart):
+// decode's P V step for one row.
+template <int NV, mha::KvType T>
+void add_weighted_rows(const float* w, std::int64_t cols, const unsigned char* v,
+                       std::int64_t v_seq, __mmask16 last, float* acc, __m512 alpha,
+                       Prefetch& prefetch) {
   __m512 o[NV];
 #pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), alpha);
   for (std::int64_t j = 0; j < cols; ++j) {
     prefetch.step();
     const __m512 wj = _mm512_set1_ps(w[j]);
-    const float* row = v + j * v_seq;
+    const unsigned char* row = v + j * v_seq;
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
-      const __m512 x =
-          c + 1 == NV ? _mm512_maskz_loadu_ps(last, row + 16 * c) : _mm512_loadu_ps(row + 16 * c);
+      const __m512 x = c + 1 == NV ? load_kv_masked<T>(row, 16 * c, last) : load_kv<T>(row, 16 * c);
       o[c] = _mm512_fmadd_ps(wj, x, o[c]);
     }
   }
@@ -590,7 +655,10 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
   return s;
 }
 
-void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+// K and V of type T, rows read in place (i8: a key's scale multiplies its finished logit,
+// a value row's its weight, one rounding each, as tolerance.h's step 6 allows).
+template <mha::KvType T>
+void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                  float* lse, mha::Workspace ws) {
   const std::int64_t dim = p.head_dim;
   const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < 16
@@ -602,19 +670,22 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
   const __m512 logit_scale = logit_scale_of(p);
   const std::int64_t decode_keys = scratch.tile_keys;
   const std::int64_t steps = rows * (decode_keys / 16 * ((dim + 127) / 128) + decode_keys);
-  const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
+  const std::int64_t k_seq = p.k.seq * kBytes<T>, v_seq = p.v.seq * kBytes<T>;  // bytes
+  const std::int64_t row_bytes = dim * kBytes<T>;
 
   // One block per (batch, KV head): all its g x q_len rows (block row t: query head
   // head0 + t / q_len, query row t % q_len).
   mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
+    const mha::KvView k_view = mha::kv_row(k, T, p.k, p.k_scale, block.batch, 0, block.kv_head);
+    const mha::KvView v_view = mha::kv_row(v, T, p.v, p.v_scale, block.batch, 0, block.kv_head);
+    const auto* k_head = static_cast<const unsigned char*>(k_view.data);
+    const auto* v_head = static_cast<const unsigned char*>(v_view.data);
     float ms[16], ls[16];
     std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
     std::fill(ls, ls + rows, 0.0f);
     std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
     const std::int64_t block_keys = block.keys(p);
-    Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(decode_keys, block_keys), dim, 1).all();
+    Prefetch(k_head, k_seq, v_head, v_seq, std::min(decode_keys, block_keys), row_bytes, 1).all();
 
     for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
       const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
@@ -622,11 +693,11 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
           std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys);
       // The next tile's rows only when it has keys: past the last key the offset may
       // overflow, since check() bounds a stride only by the keys that use it.
-      Prefetch next(next_keys > 0 ? k_head + (c0 + decode_keys) * p.k.seq : k_head, p.k.seq,
-                    next_keys > 0 ? v_head + (c0 + decode_keys) * p.v.seq : v_head, p.v.seq,
-                    next_keys, dim, steps);
-      const float* k_tile = k_head + c0 * k_seq;
-      const float* v_tile = v_head + c0 * v_seq;
+      Prefetch next(next_keys > 0 ? k_head + (c0 + decode_keys) * k_seq : k_head, k_seq,
+                    next_keys > 0 ? v_head + (c0 + decode_keys) * v_seq : v_head, v_seq, next_keys,
+                    row_bytes, steps);
+      const unsigned char* k_tile = k_head + c0 * k_seq;
+      const unsigned char* v_tile = v_head + c0 * v_seq;
       for (std::int64_t t = 0; t < rows; ++t) {
         const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
         if (cols == 0) continue;
@@ -636,18 +707,25 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
         __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
           const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-          const float* keys = k_tile + j0 * k_seq;
+          const unsigned char* keys = k_tile + j0 * k_seq;
           __m512 a[16];
           for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
           for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
             with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-              dot_16_keys<decltype(vectors)::value>(
-                  qr + d0, keys + d0, k_seq, nk,
+              dot_16_keys<decltype(vectors)::value, T>(
+                  qr + d0, keys + d0 * kBytes<T>, k_seq, nk,
                   first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
             });
             next.step();
           }
-          const __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
+          __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
+          if constexpr (T == mha::KvType::i8) {
+            alignas(64) float scales[16] = {};
+            for (std::int64_t i = 0; i < nk; ++i) {
+              scales[i] = k_view.scale[(c0 + j0 + i) * p.k_scale.seq];
+            }
+            s = _mm512_mul_ps(s, _mm512_load_ps(scales));
+          }
           _mm512_storeu_ps(weights + j0, s);
           // VMAXPS returns its second source when either is NaN: NaN logits stay out.
           mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
@@ -671,13 +749,17 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
           sum = _mm512_add_ps(sum, w);
         }
         ls[t] = ls[t] * alpha + lanes_sum(sum);
+        if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum
+          for (std::int64_t j = 0; j < cols; ++j)
+            weights[j] *= v_view.scale[(c0 + j) * p.v_scale.seq];
+        }
         // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
         float* acc = acc_rows + t * d16;
         const __m512 av = _mm512_set1_ps(alpha);
         for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
           with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-            add_weighted_rows<decltype(vectors)::value>(
-                weights, cols, v_tile + d0, v_seq,
+            add_weighted_rows<decltype(vectors)::value, T>(
+                weights, cols, v_tile + d0 * kBytes<T>, v_seq,
                 first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
           });
         }
@@ -882,26 +964,45 @@ std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
                   mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
-void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView k_view,
-                              mha::KvView v_view, float* o, float* lse, mha::Workspace ws) {
-  const mha::FpEnvGuard default_fp_env;
-  const auto* k = static_cast<const float*>(k_view.data);  // kv_type f32 (registry.inc)
-  const auto* v = static_cast<const float*>(v_view.data);
-  if (decodes(p)) {
-    decode_rows(p, q, k, v, o, lse, ws);
-    return;
+namespace {
+
+// copy_rows for K or V of the problem's type.
+void copy_kv_rows(mha::KvType t, const unsigned char* in, std::int64_t stride, const float* scales,
+                  std::int64_t scale_seq, std::int64_t keys, std::int64_t head_dim, float* out,
+                  std::int64_t ld) {
+  switch (t) {
+    case mha::KvType::f16:
+      return copy_rows<mha::KvType::f16>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+    case mha::KvType::bf16:
+      return copy_rows<mha::KvType::bf16>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+    case mha::KvType::i8:
+      return copy_rows<mha::KvType::i8>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+    case mha::KvType::f32:
+      break;
   }
+  copy_rows<mha::KvType::f32>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+}
+
+// Every problem that is not a decode: blocks of R rows over KV tiles, K and V of any type
+// (a reduced one converted as its tile is copied).
+void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
+             float* lse, mha::Workspace ws) {
   const std::int64_t dim = p.head_dim;
+  const mha::KvType type = p.kv_type;
+  const auto bytes = static_cast<std::int64_t>(mha::kv_type_bytes(type));
   const Tiling tiling = choose_tiling(p);
   const std::int64_t bc = tiling.keys;
   Carve workspace(ws.data);
   const Scratch s = carve(p, tiling, workspace);
   const __m512 logit_scale = logit_scale_of(p);
 
+  const std::int64_t k_seq = p.k.seq * bytes, v_seq = p.v.seq * bytes;  // in bytes
   mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
     const std::int64_t padded = start_block(p, block, q, s);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
+    const mha::KvView k_view = mha::kv_row(k, type, p.k, p.k_scale, block.batch, 0, block.kv_head);
+    const mha::KvView v_view = mha::kv_row(v, type, p.v, p.v_scale, block.batch, 0, block.kv_head);
+    const auto* k_head = static_cast<const unsigned char*>(k_view.data);
+    const auto* v_head = static_cast<const unsigned char*>(v_view.data);
     const std::int64_t block_keys = block.keys(p);
     // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
     // tile too briefly to hide reading the next one: their first strip prefetches it,
@@ -910,16 +1011,19 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView
     // measured 1.5-5% slower (token-major, L = 2048 and 8192).
     const bool small = padded <= kSmallBlockRows;
     const std::int64_t steps = (bc + kMr - 1) / kMr * dim + (dim + kMr - 1) / kMr * bc;
-    if (small) Prefetch(k_head, p.k.seq, v_head, p.v.seq, std::min(bc, block_keys), dim, 1).all();
+    if (small) {
+      Prefetch(k_head, k_seq, v_head, v_seq, std::min(bc, block_keys), dim * bytes, 1).all();
+    }
     // K and V tiles are copied to the padded stride ldkv, except in decode-sized blocks
     // whose rows are not a multiple of 1 KiB apart: there the copy cost up to a third of a
     // tile's FMAs (MQA decode, 32 rows, ran 8-17% faster reading head-major rows where they
     // are), while in large blocks the padded stride pays for itself (reading 512-byte-apart
     // rows in place made D = 128 prefill 1.5-4% slower). Rows 1 KiB apart or a multiple of
     // it (token-major: 4 KiB) put 3 or more of 12 rows into one L1 set, and stride 0
-    // (shared rows) is copied too.
+    // (shared rows) is copied too, and so is a reduced type: converted once per tile.
     const auto copied = [&](std::int64_t seq) {
-      return !small || seq % (1024 / std::int64_t{sizeof(float)}) == 0;  // no overflow
+      return type != mha::KvType::f32 || !small ||
+             seq % (1024 / std::int64_t{sizeof(float)}) == 0;  // no overflow
     };
     const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
 
@@ -927,17 +1031,20 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView
       const std::int64_t tile_keys = std::min(bc, block_keys - c0);
       const std::int64_t next_keys = std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc);
       // As in decode_rows: the next tile's rows only when it has keys.
-      Prefetch next(next_keys > 0 ? k_head + (c0 + bc) * p.k.seq : k_head, p.k.seq,
-                    next_keys > 0 ? v_head + (c0 + bc) * p.v.seq : v_head, p.v.seq, next_keys, dim,
-                    steps);
-      // The microkernels' K and V rows: the tensor's own, or their copy in `buffer`.
-      const auto tile_rows = [&](const float* head, std::int64_t seq, bool copy, float* buffer) {
-        if (!copy) return Rows{head + c0 * seq, seq};
-        copy_rows(head + c0 * seq, seq, tile_keys, dim, buffer, s.ldkv);
+      Prefetch next(next_keys > 0 ? k_head + (c0 + bc) * k_seq : k_head, k_seq,
+                    next_keys > 0 ? v_head + (c0 + bc) * v_seq : v_head, v_seq, next_keys,
+                    dim * bytes, steps);
+      // The microkernels' K and V rows: the tensor's own (fp32), or their copy in `buffer`.
+      const auto tile_rows = [&](const mha::KvView& head, std::int64_t seq, std::int64_t scale_seq,
+                                 bool copy, float* buffer) {
+        const mha::KvView first = mha::advance(head, type, c0 * seq, c0 * scale_seq);
+        if (!copy) return Rows{static_cast<const float*>(first.data), seq};  // f32 only
+        copy_kv_rows(type, static_cast<const unsigned char*>(first.data), seq * bytes, first.scale,
+                     scale_seq, tile_keys, dim, buffer, s.ldkv);
         return Rows{buffer, s.ldkv};
       };
-      const Tile tile{c0, tile_keys, tile_rows(k_head, p.k.seq, copy_k, s.k_tile),
-                      tile_rows(v_head, p.v.seq, copy_v, s.v_tile)};
+      const Tile tile{c0, tile_keys, tile_rows(k_view, p.k.seq, p.k_scale.seq, copy_k, s.k_tile),
+                      tile_rows(v_view, p.v.seq, p.v_scale.seq, copy_v, s.v_tile)};
       for (std::int64_t t = 0; t < padded; ++t) {
         const std::int64_t n = t < block.rows ? block.tile_keys_seen(p, t, c0, tile_keys) : 0;
         s.cols[t] = static_cast<std::int32_t>(n);
@@ -960,6 +1067,28 @@ void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView
     }
     finish_block(p, block, s, o, lse);
   });
+}
+
+}  // namespace
+
+void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+                              float* o, float* lse, mha::Workspace ws) {
+  const mha::FpEnvGuard default_fp_env;
+  if (!decodes(p)) {
+    prefill(p, q, k, v, o, lse, ws);
+    return;
+  }
+  switch (p.kv_type) {
+    case mha::KvType::f16:
+      return decode_rows<mha::KvType::f16>(p, q, k, v, o, lse, ws);
+    case mha::KvType::bf16:
+      return decode_rows<mha::KvType::bf16>(p, q, k, v, o, lse, ws);
+    case mha::KvType::i8:
+      return decode_rows<mha::KvType::i8>(p, q, k, v, o, lse, ws);
+    case mha::KvType::f32:
+      break;
+  }
+  decode_rows<mha::KvType::f32>(p, q, k, v, o, lse, ws);
 }
 
 MHA_TARGET_END
