@@ -1,6 +1,6 @@
 // The multi-head attention layer (mha/layer.h): projections and W^O on a registry GEMM
 // kernel through the GEMM driver, attention on a registry kernel through the attention
-// driver, K and V projected straight into the cache.
+// driver, K and V projected straight into an fp32 cache.
 //
 //   prefill(X [B][n][d]):
 //     pack X, per sequence (its rows start a panel)              parallel_pack_a
@@ -8,8 +8,11 @@
 //       Q_b = X_b W^Q + b^Q          -> q [B n][H D]
 //       K_b,j = X_b W^K_j + b^K_j    -> cache.k[b][j][len .. len + n)   for each KV head j
 //       V_b,j likewise               -> cache.v
+//       (a cache of f16, bf16 or i8: into an fp32 scratch [2][B][Hkv][n][D] instead, then
+//        converted into those rows, i8's scales beside them     KvCache::store)
 //     O = Attention(Q, cache K, cache V), bottom-right causal    parallel_attention
-//        (q and o token-major [B][n][H][D], K and V head-major [B][Hkv][capacity][D])
+//        (q and o token-major [B][n][H][D], K and V head-major [B][Hkv][capacity][D] of the
+//        cache's kv_type, i8 scales [B][Hkv][capacity])
 //     pack O (= Concat(heads), [B n][H D])                        parallel_pack_a
 //     Y = O W^O + b^O                                             parallel_gemm
 //
@@ -20,11 +23,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "mha/kv_types.h"
 #include "mha/parallel.h"
 
 namespace mha {
@@ -80,9 +85,44 @@ T* grow(std::vector<T>& v, std::size_t n, const char* where, const char* what) {
 // A count of elements that fits int64 as a size_t (a saturated one stays too large to allocate).
 std::size_t count(std::int64_t n) { return static_cast<std::size_t>(std::max<std::int64_t>(n, 0)); }
 
+// kv_type_bytes(t), or std::invalid_argument from `where` when t is not a KvType.
+std::size_t element_bytes(const char* where, KvType t) {
+  const std::size_t size = kv_type_bytes(t);
+  if (size == 0)
+    fail(where, "kv_type (" + std::to_string(static_cast<int>(t)) + ") is not a KvType");
+  return size;
+}
+
+// `rows` dense fp32 rows of `dim` values, x[r][e], stored as type t into dense rows at `out`:
+// f32 copied, f16 and bf16 rounded to nearest even, i8 quantised per row with its scale in
+// scales[r] (mha/kv_types.h).
+void convert_rows(KvType t, const float* x, std::int64_t rows, std::int64_t dim, unsigned char* out,
+                  float* scales) {
+  const auto n = static_cast<std::size_t>(rows * dim);
+  switch (t) {
+    case KvType::f32:
+      std::memcpy(out, x, n * sizeof(float));
+      return;
+    case KvType::f16:
+    case KvType::bf16:
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint16_t h = t == KvType::f16 ? kv::f32_to_f16(x[i]) : kv::f32_to_bf16(x[i]);
+        std::memcpy(out + 2 * i, &h, sizeof h);
+      }
+      return;
+    case KvType::i8:
+      for (std::int64_t r = 0; r < rows; ++r) {
+        scales[r] =
+            kv::quantize_i8_row(x + r * dim, dim, reinterpret_cast<std::int8_t*>(out) + r * dim);
+      }
+      return;
+  }
+}
+
 // The calling thread's scratch, grown to the largest call so far.
 struct Scratch {
   std::vector<float> packed_x, q, o, packed_o;
+  std::vector<float> kv;  ///< the new tokens' K and V for a cache of a reduced type
   std::vector<unsigned char> attention;
   std::vector<GemmJob> jobs;
 };
@@ -117,28 +157,40 @@ std::string check(const LayerConfig& c) {
   return {};
 }
 
-KvCache::KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t capacity)
-    : config_(config), batch_(batch), capacity_(capacity) {
+KvCache::KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t capacity,
+                 KvType kv_type)
+    : config_(config), batch_(batch), capacity_(capacity), kv_type_(kv_type) {
   if (const std::string why = check(config); !why.empty()) fail("KvCache", why);
   if (batch < 1 || capacity < 1) {
     fail("KvCache", "batch and capacity must be positive, got batch " + std::to_string(batch) +
                         ", capacity " + std::to_string(capacity));
   }
-  const std::int64_t floats =
-      sat_mul(sat_mul(sat_mul(batch, config.kv_heads), capacity), config.head_dim);
-  if (floats == kMax || static_cast<std::uint64_t>(floats) > k_.max_size() / 2) {
+  const std::size_t size = element_bytes("KvCache", kv_type);
+  const std::int64_t rows = sat_mul(sat_mul(batch, config.kv_heads), capacity);
+  const std::int64_t elements = sat_mul(rows, config.head_dim);
+  // K's and V's elements as bytes, and a cache of floats (the largest) too, must fit.
+  if (elements == kMax || static_cast<std::uint64_t>(elements) > k_.max_size() / 8) {
     fail("KvCache", "the cache's size overflows");
   }
-  detail::allocate_or_throw("KvCache", "the cache's K and V", bytes(config, batch, capacity), [&] {
-    k_.resize(static_cast<std::size_t>(floats));
-    v_.resize(static_cast<std::size_t>(floats));
-  });
+  const bool scaled = kv_type == KvType::i8;
+  detail::allocate_or_throw("KvCache", "the cache's K and V",
+                            bytes(config, batch, capacity, kv_type), [&] {
+                              k_.resize(static_cast<std::size_t>(elements) * size);
+                              v_.resize(static_cast<std::size_t>(elements) * size);
+                              if (scaled) {
+                                k_scale_.resize(static_cast<std::size_t>(rows));
+                                v_scale_.resize(static_cast<std::size_t>(rows));
+                              }
+                            });
 }
 
-std::size_t KvCache::bytes(const LayerConfig& config, std::int64_t batch, std::int64_t capacity) {
+std::size_t KvCache::bytes(const LayerConfig& config, std::int64_t batch, std::int64_t capacity,
+                           KvType kv_type) {
+  const std::size_t size = element_bytes("KvCache::bytes", kv_type);
+  const std::size_t scale = kv_type == KvType::i8 ? sizeof(float) : 0;
   return 2 * static_cast<std::size_t>(batch) * static_cast<std::size_t>(config.kv_heads) *
-         static_cast<std::size_t>(capacity) * static_cast<std::size_t>(config.head_dim) *
-         sizeof(float);
+         static_cast<std::size_t>(capacity) *
+         (static_cast<std::size_t>(config.head_dim) * size + scale);
 }
 
 void KvCache::append(const float* k, const float* v, std::int64_t n) {
@@ -149,14 +201,22 @@ void KvCache::append(const float* k, const float* v, std::int64_t n) {
                                 std::to_string(capacity_) + " positions used, " +
                                 std::to_string(n) + " more requested");
   }
-  const Strides s = strides();
+  store(k, v, n);
+}
+
+void KvCache::store(const float* k, const float* v, std::int64_t n) {
   const std::int64_t D = config_.head_dim;
+  const std::size_t size = kv_type_bytes(kv_type_);
   for (std::int64_t b = 0; b < batch_; ++b) {
     for (std::int64_t j = 0; j < config_.kv_heads; ++j) {
       const std::int64_t from = (b * config_.kv_heads + j) * n * D;
-      const std::int64_t to = b * s.batch + j * s.head + length_ * s.seq;
-      std::copy(k + from, k + from + n * D, k_.begin() + to);
-      std::copy(v + from, v + from + n * D, v_.begin() + to);
+      // Row (b, j, t) of the cache is row (b Hkv + j) capacity + t: elements D apart, scales 1.
+      const auto row = static_cast<std::size_t>((b * config_.kv_heads + j) * capacity_ + length_);
+      const auto at = row * static_cast<std::size_t>(D) * size;
+      float* k_scale = k_scale_.empty() ? nullptr : k_scale_.data() + row;
+      float* v_scale = v_scale_.empty() ? nullptr : v_scale_.data() + row;
+      convert_rows(kv_type_, k + from, n, D, k_.data() + at, k_scale);
+      convert_rows(kv_type_, v + from, n, D, v_.data() + at, v_scale);
     }
   }
   length_ += n;
@@ -175,6 +235,20 @@ Strides KvCache::strides() const {
           capacity_ * config_.head_dim};
 }
 
+Strides KvCache::scale_strides() const { return {config_.kv_heads * capacity_, 1, capacity_}; }
+
+const float* KvCache::f32(const std::vector<unsigned char>& x, const char* where) const {
+  if (kv_type_ != KvType::f32) {
+    throw std::logic_error(std::string(where) + ": the cache holds kv_type " +
+                           kv_type_name(kv_type_) +
+                           ", not f32 floats: read it through k_view() and v_view()");
+  }
+  return reinterpret_cast<const float*>(x.data());
+}
+
+const float* KvCache::k() const { return f32(k_, "KvCache::k"); }
+const float* KvCache::v() const { return f32(v_, "KvCache::v"); }
+
 Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string& gemm,
              const std::string& attention)
     : config_(config) {
@@ -184,11 +258,22 @@ Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string
   }
   gemm_ = gemm.empty() ? &best_gemm() : find_gemm(gemm);
   if (gemm_ == nullptr) fail("Layer", "unknown gemm kernel '" + gemm + "'");
-  attention_ = attention.empty() ? &best_kernel() : find_kernel(attention);
-  if (attention_ == nullptr) fail("Layer", "unknown attention kernel '" + attention + "'");
-  if (!available(*attention_)) {
-    fail("Layer", "attention kernel '" + std::string(attention_->name) + "' needs " +
-                      isa_name(attention_->isa) + ", which this CPU lacks or MHA_MAX_ISA excludes");
+  if (!attention.empty()) {
+    named_ = find_kernel(attention);
+    if (named_ == nullptr) fail("Layer", "unknown attention kernel '" + attention + "'");
+    if (!available(*named_)) {
+      fail("Layer", "attention kernel '" + std::string(named_->name) + "' needs " +
+                        isa_name(named_->isa) + ", which this CPU lacks or MHA_MAX_ISA excludes");
+    }
+  }
+  // One kernel per KvType, chosen once: a call only indexes this table.
+  for (std::size_t i = 0; i < attention_.size(); ++i) {
+    const auto t = static_cast<KvType>(i);
+    if (named_ == nullptr) {
+      attention_[i] = &best_kernel(t);
+    } else if (reads(*named_, t)) {
+      attention_[i] = named_;
+    }
   }
   const std::int64_t d = config.d_model, D = config.head_dim;
   const std::int64_t hd = config.q_heads * D, kvd = config.kv_heads * D;
@@ -222,6 +307,20 @@ Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string
   });
 }
 
+const KernelInfo& Layer::attention_kernel(KvType t) const {
+  return kernel_for(t, "Layer::attention_kernel");
+}
+
+const KernelInfo& Layer::kernel_for(KvType t, const char* where) const {
+  element_bytes(where, t);  // t is a KvType
+  const KernelInfo* kernel = attention_[static_cast<std::size_t>(t)];
+  if (kernel == nullptr) {
+    fail(where, "attention kernel '" + std::string(named_->name) + "' does not read kv_type " +
+                    kv_type_name(t));
+  }
+  return *kernel;
+}
+
 void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bool causal,
                     int threads) const {
   // The kernels guard their own arithmetic; this covers the layer's (the attention scale
@@ -239,6 +338,7 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
                     " more requested");
   }
   if (x == nullptr || y == nullptr) fail(where, "x and y must not be null");
+  const KernelInfo& attention = kernel_for(cache.kv_type(), where);
   const std::int64_t B = cache.batch(), d = config_.d_model, D = config_.head_dim;
   const std::int64_t H = config_.q_heads, Hkv = config_.kv_heads, hd = H * D;
   // n <= capacity, and B Hkv capacity D floats exist, but B n d and B n H D may still not.
@@ -256,8 +356,10 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
   // scratch array is grown before anything is written, so that when memory runs out y and
   // the cache (its length and its rows) are as they were.
   Problem p = make_problem(B, n, len + n, H, Hkv, D, causal);
+  p.kv_type = cache.kv_type();
   p.k = p.v = kv;
-  const WorkspaceSize kernel_ws = attention_->workspace;
+  p.k_scale = p.v_scale = cache.scale_strides();
+  const WorkspaceSize kernel_ws = attention.workspace;
   const std::size_t attention_bytes = parallel_workspace(kernel_ws, p, threads);
   Scratch& s = scratch();
   const std::int64_t packed_rows = packed_floats(n, d, tile.mr);  // one sequence's packed X
@@ -268,6 +370,12 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
                          "the packed attention output");
   const Workspace ws{grow(s.attention, attention_bytes, where, "the attention driver's workspace"),
                      s.attention.size()};
+  // An fp32 cache takes the projections in its rows; another type's rows are converted from
+  // an fp32 scratch of the new tokens' K and V, [B][Hkv][n][D] each, as append takes them.
+  const bool direct = cache.kv_type() == KvType::f32;
+  const std::int64_t new_kv = B * Hkv * n * D;  // <= the cache's elements
+  float* projected =
+      direct ? nullptr : grow(s.kv, count(sat_mul(2, new_kv)), where, "the projected K and V");
   const auto jobs = static_cast<std::size_t>(B * (1 + 2 * Hkv));
   s.jobs.clear();
   detail::allocate_or_throw(where, "the GEMM job list", jobs * sizeof(GemmJob),
@@ -277,30 +385,39 @@ void Layer::prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bo
     parallel_pack_a(n, d, x + b * n * d, d, tile.mr, packed_x + b * packed_rows, threads);
   }
 
-  // Projections: per sequence, Q and each KV head's K and V rows, into the cache.
+  // Projections: per sequence, Q and each KV head's K and V rows, into the cache (or the
+  // scratch). A GEMM element depends on its row of X and column of W alone, so the rows hold
+  // the same bits either way.
+  float* const cache_k = reinterpret_cast<float*>(cache.k_.data());
+  float* const cache_v = reinterpret_cast<float*>(cache.v_.data());
   for (std::int64_t b = 0; b < B; ++b) {
     const float* a = packed_x + b * packed_rows;
     s.jobs.push_back({{n, hd, d, hd}, a, wq_.data(), bias_at(bq_, 0), q + b * n * hd});
     for (std::int64_t j = 0; j < Hkv; ++j) {
       const std::int64_t at = b * kv.batch + j * kv.head + len * kv.seq;
+      const std::int64_t from = (b * Hkv + j) * n * D;
       s.jobs.push_back({{n, D, d, D},
                         a,
                         wk_[static_cast<std::size_t>(j)].data(),
                         bias_at(bk_, j * D),
-                        cache.k_.data() + at});
+                        direct ? cache_k + at : projected + from});
       s.jobs.push_back({{n, D, d, D},
                         a,
                         wv_[static_cast<std::size_t>(j)].data(),
                         bias_at(bv_, j * D),
-                        cache.v_.data() + at});
+                        direct ? cache_v + at : projected + new_kv + from});
     }
   }
   parallel_gemm(gemm_->fn, tile, s.jobs.data(), s.jobs.size(), threads);
-  cache.length_ = len + n;
+  if (direct) {
+    cache.length_ = len + n;
+  } else {
+    cache.store(projected, projected + new_kv, n);
+  }
 
-  // Attention of the n new queries over the len + n cached keys.
-  parallel_attention(attention_->fn, kernel_ws, p, q, cache.k(), cache.v(), o, nullptr, threads,
-                     ws);
+  // Attention of the n new queries over the len + n cached keys, read in the cache's type.
+  parallel_attention(attention.fn, kernel_ws, p, q, cache.k_view(), cache.v_view(), o, nullptr,
+                     threads, ws);
 
   // Y = Concat(heads) W^O + b^O: o is token-major [B n][H D], the concatenation itself.
   parallel_pack_a(rows, hd, o, hd, tile.mr, packed_o, threads);

@@ -15,10 +15,14 @@
 //   the GEMM driver, and the attention step on a registry attention kernel (best_kernel()
 //   unless named) through the attention driver (mha/parallel.h). Both drivers cut work by
 //   the problem only, so a layer's output is bit-identical for every thread count.
-// * K and V of new tokens are projected straight into the cache (one GEMM job per KV head,
-//   whose output rows are the cache's rows), then the new queries attend over every cached
-//   key. prefill(n tokens) and n decode() steps project every token identically, bit for
-//   bit (mha/gemm.h), and attend within the attention tolerance of each other.
+// * K and V of new tokens are projected straight into an fp32 cache (one GEMM job per KV
+//   head, whose output rows are the cache's rows); for a cache of a reduced KvType into an
+//   fp32 scratch, then converted into the cache's rows as KvCache::append converts. Then the
+//   new queries attend over every cached key, read in the cache's type. prefill(n tokens) and
+//   n decode() steps project (and convert) every token identically, bit for bit
+//   (mha/gemm.h), and attend within the attention tolerance of each other.
+// * The attention kernel is chosen per KvType: a named kernel serves the types it reads (a
+//   cache of another type is rejected), otherwise best_kernel(type) of each type.
 // * Causal masking counts positions in the sequence: the query at position p sees cache
 //   positions 0..p, i.e. bottom-right alignment (mha/attention.h) of the n new queries over
 //   the cache's length + n keys. Without causal masking every new query sees every cached key.
@@ -30,6 +34,7 @@
 
 #include <mha/registry.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -68,19 +73,31 @@ struct LayerWeights {
 
 /// The KV cache of one layer for `batch` sequences: K and V of up to `capacity` tokens per
 /// sequence, head-major, k[b][j][t][D] for KV head j and position t (likewise v), so that
-/// appending a token writes one D-float row per head and one head's keys are contiguous.
+/// appending a token writes one D-element row per head and one head's keys are contiguous.
 /// The length is the same for every sequence of the batch.
+///
+/// The elements are of kv_type() (mha/kv_types.h): f32 (the default), f16 or bf16, or i8 with
+/// one fp32 scale per row, k_scale[b][j][t] (likewise v). A reduced type holds the fp32 rows it
+/// is given converted: f16 and bf16 rounded to nearest, ties to even; i8 quantised per row
+/// (kv::quantize_i8_row: scale max|x| / 127). Attention reads the stored values in place
+/// (Problem::kv_type, KvView): an attention problem over the cache takes
+///   p.kv_type = kv_type(); p.k = p.v = strides(); p.k_scale = p.v_scale = scale_strides();
+/// and the views k_view(), v_view().
 class KvCache {
  public:
   /// Throws std::invalid_argument when the shape is invalid, batch or capacity is not
-  /// positive, or the size overflows; AllocationError (mha/attention.h) when K and V cannot
-  /// be allocated.
-  KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t capacity);
+  /// positive, kv_type is not a KvType, or the size overflows; AllocationError
+  /// (mha/attention.h) when K and V (and i8's scales) cannot be allocated.
+  KvCache(const LayerConfig& config, std::int64_t batch, std::int64_t capacity,
+          KvType kv_type = KvType::f32);
 
-  /// Bytes of K and V for this shape: 2 batch Hkv capacity D 4. MHA, GQA and MQA of the
-  /// same d and H differ here by the factor H / Hkv.
-  static std::size_t bytes(const LayerConfig& config, std::int64_t batch, std::int64_t capacity);
-  std::size_t bytes() const { return bytes(config_, batch_, capacity_); }
+  /// Bytes of K and V (and for i8 their scales) for this shape: 2 batch Hkv capacity (D e + s),
+  /// e = kv_type_bytes(kv_type) (4, 2, 2, 1) and s = 4 for i8's scale, 0 otherwise. MHA, GQA
+  /// and MQA of the same d and H differ here by the factor H / Hkv. Throws
+  /// std::invalid_argument when kv_type is not a KvType.
+  static std::size_t bytes(const LayerConfig& config, std::int64_t batch, std::int64_t capacity,
+                           KvType kv_type = KvType::f32);
+  std::size_t bytes() const { return bytes(config_, batch_, capacity_, kv_type_); }
 
   std::int64_t batch() const { return batch_; }
   std::int64_t capacity() const { return capacity_; }
@@ -88,6 +105,7 @@ class KvCache {
   std::int64_t kv_heads() const { return config_.kv_heads; }
   std::int64_t head_dim() const { return config_.head_dim; }
   const LayerConfig& config() const { return config_; }
+  KvType kv_type() const { return kv_type_; }
 
   /// Forgets every token (length 0); the memory stays.
   void reset() { length_ = 0; }
@@ -95,43 +113,65 @@ class KvCache {
   /// conversation). Throws std::invalid_argument unless 0 <= length <= length().
   void truncate(std::int64_t length);
 
-  /// Appends n tokens' K and V given head-major and dense, k[b][j][t][D] for t < n (likewise
-  /// v): a cache restored from elsewhere. Throws std::invalid_argument, writing nothing,
-  /// when n is not positive, a pointer is null or fewer than n positions are free.
+  /// Appends n tokens' K and V given in fp32, head-major and dense, k[b][j][t][D] for t < n
+  /// (likewise v): a cache restored from elsewhere. Each row is converted to kv_type() as the
+  /// class comment says. Throws std::invalid_argument, writing nothing, when n is not
+  /// positive, a pointer is null or fewer than n positions are free.
   void append(const float* k, const float* v, std::int64_t n);
 
-  /// K and V, [batch][kv_heads][capacity][head_dim]; positions >= length() are unspecified.
-  const float* k() const { return k_.data(); }
-  const float* v() const { return v_.data(); }
-  /// Their strides as an attention problem's {batch, seq, head}.
+  /// K and V as attention reads them: the elements, [batch][kv_heads][capacity][head_dim] of
+  /// kv_type(), and for i8 the scales, [batch][kv_heads][capacity] (null for other types).
+  /// Positions >= length() are unspecified.
+  KvView k_view() const { return {k_.data(), k_scale_.empty() ? nullptr : k_scale_.data()}; }
+  KvView v_view() const { return {v_.data(), v_scale_.empty() ? nullptr : v_scale_.data()}; }
+  /// The elements' strides as an attention problem's {batch, seq, head}, in elements of
+  /// kv_type(); the same for any type.
   Strides strides() const;
+  /// The i8 scales' strides as Problem::k_scale and v_scale take them: {kv_heads capacity, 1,
+  /// capacity} (given for every type; only i8 has scales).
+  Strides scale_strides() const;
+  /// K and V as fp32 elements, for an fp32 cache only: throws std::logic_error for any other
+  /// kv_type(), whose elements are not floats (read those through k_view() and v_view()).
+  const float* k() const;
+  const float* v() const;
 
  private:
   friend class Layer;
+  // Converts and stores n tokens' K and V rows, given as append takes them, at positions
+  // [length, length + n), and advances the length. Unchecked: append and Layer validate.
+  void store(const float* k, const float* v, std::int64_t n);
+  const float* f32(const std::vector<unsigned char>& x, const char* where) const;
+
   LayerConfig config_;
   std::int64_t batch_ = 0, capacity_ = 0, length_ = 0;
-  std::vector<float> k_, v_;
+  KvType kv_type_ = KvType::f32;
+  std::vector<unsigned char> k_, v_;      ///< elements of kv_type_
+  std::vector<float> k_scale_, v_scale_;  ///< i8 only: one per row
 };
 
 class Layer {
  public:
   /// Packs the weights for the GEMM kernel `gemm` and runs attention with the kernel
-  /// `attention` (registry names; empty: best_gemm(), best_kernel()). Throws
-  /// std::invalid_argument for an invalid shape, a null weight, or an unknown or
-  /// unavailable kernel; AllocationError, naming the weight, when its packed copy cannot be
-  /// allocated.
+  /// `attention` (registry names; empty: best_gemm(), and best_kernel(t) for a cache of
+  /// KvType t). Throws std::invalid_argument for an invalid shape, a null weight, or an
+  /// unknown or unavailable kernel; AllocationError, naming the weight, when its packed copy
+  /// cannot be allocated. A named attention kernel that does not read some KvType is
+  /// accepted: a cache of that type is rejected when a call meets it.
   Layer(const LayerConfig& config, const LayerWeights& weights, const std::string& gemm = "",
         const std::string& attention = "");
 
   const LayerConfig& config() const { return config_; }
   const GemmInfo& gemm_kernel() const { return *gemm_; }
-  const KernelInfo& attention_kernel() const { return *attention_; }
+  /// The attention kernel a call over a cache of type t runs. Throws std::invalid_argument
+  /// when t is not a KvType, or the named kernel does not read t.
+  const KernelInfo& attention_kernel(KvType t = KvType::f32) const;
 
   /// Y [batch][n][d] for the n new tokens X [batch][n][d] of every sequence of the cache:
-  /// their K and V are appended to the cache, then their queries attend over every cached
-  /// token (causal: each sees the positions up to its own). Throws std::invalid_argument,
-  /// before writing anything, when the cache has another shape, holds fewer than n free
-  /// positions, n is not positive, a pointer is null, or y overlaps x; and AllocationError,
+  /// their K and V are appended to the cache (in its kv_type), then their queries attend over
+  /// every cached token (causal: each sees the positions up to its own). Throws
+  /// std::invalid_argument, before writing anything, when the cache has another shape, holds
+  /// fewer than n free positions, n is not positive, a pointer is null, y overlaps x, or the
+  /// named attention kernel does not read the cache's kv_type; and AllocationError,
   /// also before writing anything (y, the cache's rows and length untouched), when its
   /// scratch cannot grow.
   void prefill(const float* x, std::int64_t n, float* y, KvCache& cache, bool causal = true,
@@ -141,14 +181,20 @@ class Layer {
   void decode(const float* x, float* y, KvCache& cache, int threads = 0) const;
 
   /// The layer without a cache: Y = MultiHead(X) for X [batch][n][d], keys and values from
-  /// the same n tokens (a cache of capacity n, used once).
+  /// the same n tokens (an fp32 cache of capacity n, used once).
   void forward(const float* x, std::int64_t batch, std::int64_t n, float* y, bool causal,
                int threads = 0) const;
 
  private:
+  // attention_kernel(t), its errors said as `where`.
+  const KernelInfo& kernel_for(KvType t, const char* where) const;
+
   LayerConfig config_;
   const GemmInfo* gemm_ = nullptr;
-  const KernelInfo* attention_ = nullptr;
+  const KernelInfo* named_ = nullptr;  ///< the attention kernel asked for by name, if any
+  /// The attention kernel for each KvType (indexed by its value); null where named_ does not
+  /// read the type.
+  std::array<const KernelInfo*, static_cast<std::size_t>(KvType::i8) + 1> attention_{};
   PackedMatrix wq_, wo_;
   std::vector<PackedMatrix> wk_, wv_;     ///< one per KV head: their output rows are cache rows
   std::vector<float> bq_, bk_, bv_, bo_;  ///< empty: no bias
