@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
+#include "reference.h"
 #include "tolerance.h"
 
 namespace mha::ref {
@@ -51,16 +54,21 @@ void project(const float* x, std::int64_t len, std::int64_t in, const float* w, 
   }
 }
 
-}  // namespace
+// K or V of one key, element by element: a row given by a cache (exact, magnitude 0) or
+// the key's projection and its magnitudes |X| |W| + |b|.
+struct KeyRow {
+  KvRow stored;
+  const double* projected = nullptr;
+  const double* magnitude = nullptr;
+  double at(std::int64_t e) const { return projected != nullptr ? projected[e] : stored.at(e); }
+  double m(std::int64_t e) const { return projected != nullptr ? magnitude[e] : 0.0; }
+};
 
-LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
-                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp) {
-  return layer(c, w, x, batch, len, first, causal, exp_ulp, PastKv{});
-}
-
-LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
-                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
-                  const PastKv& past) {
+// The layer over keys at positions [0, past + len): those below given.length read from
+// `given`, the others projected from x (position past + i is x's row i).
+LayerResult layer_over(const LayerConfig& c, const LayerWeights& w, const float* x,
+                       std::int64_t batch, std::int64_t len, std::int64_t first, bool causal,
+                       double exp_ulp, const StoredKv& given, std::int64_t past) {
   const std::int64_t d = c.d_model, H = c.q_heads, Hkv = c.kv_heads, D = c.head_dim;
   const std::int64_t hd = H * D, kvd = Hkv * D, g = H / Hkv;
   // The fp32 scale the layer's attention uses (make_problem's).
@@ -74,42 +82,51 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
   r.tol.assign(r.y.size(), 0.0);
   std::vector<double> q, qm, k, km, v, vm;
   std::vector<double> o(static_cast<std::size_t>(hd)), eo(static_cast<std::size_t>(H));
-  const std::int64_t keys = past.length + len;
+  const std::int64_t keys = past + len;
+  const bool project_kv = given.length < keys;
   std::vector<double> s(static_cast<std::size_t>(keys));
   for (std::int64_t b = 0; b < batch; ++b) {
     const float* xb = x + b * len * d;
     project(xb + first * d, len - first, d, w.wq, w.bq, w.transposed, hd, q, qm);  // rows only
-    project(xb, len, d, w.wk, w.bk, w.transposed, kvd, k, km);
-    project(xb, len, d, w.wv, w.bv, w.transposed, kvd, v, vm);
+    if (project_kv) {
+      project(xb, len, d, w.wk, w.bk, w.transposed, kvd, k, km);
+      project(xb, len, d, w.wv, w.bv, w.transposed, kvd, v, vm);
+    }
     for (std::int64_t i = first; i < len; ++i) {
-      // Visible keys: positions [0, n); the first past.length are the past's.
-      const std::int64_t n = causal ? past.length + i + 1 : keys;
+      // Visible keys: positions [0, n).
+      const std::int64_t n = causal ? past + i + 1 : keys;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t j = h / g;
         const auto qi = [&](std::int64_t e) {
           return static_cast<std::size_t>((i - first) * hd + h * D + e);
         };
-        // Key t's K (or V) element e, and its magnitude sum |X| |W| + |b| (0 for the past's,
-        // which are exact).
-        const auto kv = [&](std::int64_t t, std::int64_t e, bool value, double* m) {
-          if (t < past.length) {
-            *m = 0.0;
-            const std::int64_t at =
-                b * past.strides.batch + t * past.strides.seq + j * past.strides.head + e;
-            return static_cast<double>(value ? past.v[at] : past.k[at]);
+        // Key t's K (or V) row.
+        const auto key_row = [&](std::int64_t t, bool value) {
+          KeyRow key;
+          if (t < given.length) {
+            const Strides& st = given.strides;
+            const Strides& sst = given.scale_strides;
+            const KvView at = advance(value ? given.v : given.k, given.type,
+                                      b * st.batch + t * st.seq + j * st.head,
+                                      b * sst.batch + t * sst.seq + j * sst.head);
+            key.stored = {given.type, at.data,
+                          given.type == KvType::i8 ? static_cast<double>(*at.scale) : 1.0};
+          } else {
+            const auto at = static_cast<std::size_t>((t - past) * kvd + j * D);
+            key.projected = (value ? v : k).data() + at;
+            key.magnitude = (value ? vm : km).data() + at;
           }
-          const auto at = static_cast<std::size_t>((t - past.length) * kvd + j * D + e);
-          *m = value ? vm[at] : km[at];
-          return value ? v[at] : k[at];
+          return key;
         };
         // Exact attention, two-pass softmax.
         double max = -INFINITY;
         double sigma = 0.0, a_moved = 0.0, v_max = 0.0, ev_max = 0.0, v_moved = 0.0;
         for (std::int64_t t = 0; t < n; ++t) {
           double dot = 0.0, moved = 0.0, bound = 0.0;
+          const KeyRow kt = key_row(t, false), vt = key_row(t, true);
           for (std::int64_t e = 0; e < D; ++e) {
-            double mk = 0.0, mv = 0.0;
-            const double kte = kv(t, e, false, &mk), vte = kv(t, e, true, &mv);
+            const double kte = kt.at(e), vte = vt.at(e);
+            const double mk = kt.m(e), mv = vt.m(e);
             const double eq = gamma_in * qm[qi(e)], ek = gamma_in * mk;
             const double aq = std::fabs(q[qi(e)]), ak = std::fabs(kte);
             dot += q[qi(e)] * kte;
@@ -130,12 +147,11 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
         for (std::int64_t e = 0; e < D; ++e) o[static_cast<std::size_t>(h * D + e)] = 0.0;
         for (std::int64_t t = 0; t < n; ++t) {
           const double p = std::exp(s[static_cast<std::size_t>(t)] - max) / sum;
-          for (std::int64_t e = 0; e < D; ++e) {
-            double unused = 0.0;
-            o[static_cast<std::size_t>(h * D + e)] += p * kv(t, e, true, &unused);
-          }
+          const KeyRow vt = key_row(t, true);
+          for (std::int64_t e = 0; e < D; ++e)
+            o[static_cast<std::size_t>(h * D + e)] += p * vt.at(e);
         }
-        eo[static_cast<std::size_t>(h)] = o_bound(a_moved, v_moved, n, D, exp_ulp) +
+        eo[static_cast<std::size_t>(h)] = o_bound(a_moved, v_moved, n, D, exp_ulp, given.type) +
                                           std::min(2.0, std::expm1(2.0 * sigma)) * v_max + ev_max;
       }
       // Y = O W^O + b^O and its bound.
@@ -155,6 +171,30 @@ LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, s
     }
   }
   return r;
+}
+
+}  // namespace
+
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp) {
+  return layer(c, w, x, batch, len, first, causal, exp_ulp, PastKv{});
+}
+
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
+                  const PastKv& past) {
+  const StoredKv given{KvType::f32, past.k, past.v, past.strides, Strides(), past.length};
+  return layer_over(c, w, x, batch, len, first, causal, exp_ulp, given, past.length);
+}
+
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
+                  const StoredKv& stored) {
+  if (len > stored.length) {
+    throw std::invalid_argument("ref::layer: " + std::to_string(len) + " tokens, but the cache " +
+                                "holds " + std::to_string(stored.length));
+  }
+  return layer_over(c, w, x, batch, len, first, causal, exp_ulp, stored, stored.length - len);
 }
 
 }  // namespace mha::ref

@@ -23,6 +23,16 @@
 //      |Y^ - Y| <= gamma(H D + 1) (sum_r (|O_r| + eO_r) |W^O_rc| + |b^O_c|) + sum_r eO_r |W^O_rc|.
 //
 // Every step is a worst case, so a correct layer never exceeds the bound.
+//
+// Keys taken as given (PastKv, StoredKv): a K or V row the layer read from a cache rather
+// than projected is exact here, eK = eV = 0 for it, so its key adds nothing to sigma or EVmax.
+// A cache of a reduced KvType (mha::KvCache) stores the projections rounded (f16, bf16) or
+// quantised (i8); the reference takes those stored values (StoredKv), not the projections,
+// so the rounding of the storage is not in the bound (the tests check the stored rows
+// against the conversion of the fp32 projections, exactly), and what the kernel adds is
+// step 3 at the stored magnitudes: for f16 and bf16, which widen exactly, the fp32 bound;
+// for i8, tolerance.h's step 6 (q s rounded once in fp32: one more rounding per product
+// and u V more), o_bound's kv_type.
 #pragma once
 
 #include <mha/layer.h>
@@ -63,5 +73,25 @@ struct PastKv {
 LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
                   std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
                   const PastKv& past);
+
+/// K and V of every key as a cache stores them after the layer's call: `length` positions of
+/// KvType `type`, row (b, t, j) at element b * strides.batch + t * strides.seq + j *
+/// strides.head of k.data (likewise v), for i8 with its scale at the same position under
+/// scale_strides in k.scale; taken as exact (the stored number times the scale, in double).
+/// mha::KvCache gives them as kv_type(), k_view(), v_view(), strides(), scale_strides(),
+/// length().
+struct StoredKv {
+  KvType type = KvType::f32;
+  KvView k, v;
+  Strides strides, scale_strides;
+  std::int64_t length = 0;
+};
+
+/// The same with every key and value read from `stored`: x [batch][len][d] are the tokens at
+/// its last len positions (stored.length - len ..), of which only the queries are projected;
+/// rows are counted in x. Throws std::invalid_argument when len > stored.length.
+LayerResult layer(const LayerConfig& c, const LayerWeights& w, const float* x, std::int64_t batch,
+                  std::int64_t len, std::int64_t first, bool causal, double exp_ulp,
+                  const StoredKv& stored);
 
 }  // namespace mha::ref

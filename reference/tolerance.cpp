@@ -32,10 +32,13 @@ double accumulation_factor(double n, double big, double small_mass) {
 
 double accumulation_factor(double n) { return accumulation_factor(n, n, 0.0); }
 
-double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp) {
-  const double delta = gamma(static_cast<double>(head_dim) + 5.0) * a;
+double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp,
+               KvType kv_type) {
+  const double kv_roundings = kv_type == KvType::i8 ? 1.0 : 0.0;  // step 6
+  const double delta = gamma(static_cast<double>(head_dim) + 5.0 + kv_roundings) * a;
   const double eta = std::exp(delta) * (1.0 + exp_ulp * 2.0 * kU) - 1.0;
-  return (weight_shift(eta) + accumulation_factor(static_cast<double>(n))) * v_max;
+  return (weight_shift(eta) + accumulation_factor(static_cast<double>(n)) + kv_roundings * kU) *
+         v_max;
 }
 
 Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double exp_ulp,

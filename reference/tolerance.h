@@ -104,8 +104,10 @@ double accumulation_factor(double n);
 double accumulation_factor(double n, double big, double small_mass);
 
 /// tol_o of one row with n >= 1 visible keys, A and V as above, head_dim D and the kernel's
-/// exp_ulp (what tolerance() computes per row).
-double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp);
+/// exp_ulp, K and V stored as kv_type (i8: step 6's rounding of q s, one more per product
+/// and u V more); what tolerance() computes per row with Z = D.
+double o_bound(double a, double v_max, std::int64_t n, std::int64_t head_dim, double exp_ulp,
+               KvType kv_type = KvType::f32);
 
 /// The bounds above for every row of p over its inputs (only rows [row_begin, row_end) of
 /// every head when given; the others stay 0).
