@@ -83,6 +83,14 @@ Bits bits_of(const float* x, std::size_t n) {
   return b;
 }
 void append(Bits& to, const Bits& more) { to.insert(to.end(), more.begin(), more.end()); }
+// Bytes as Bits, the last word padded with zeros.
+Bits bits_of_bytes(const void* x, std::size_t bytes) {
+  Bits b((bytes + 3) / 4, 0);
+  std::memcpy(b.data(), x, bytes);
+  return b;
+}
+
+constexpr KvType kKvTypes[] = {KvType::f32, KvType::f16, KvType::bf16, KvType::i8};
 
 // Which allocations of a call fail: the at-th (0: the first), and any above `limit` bytes.
 struct Failing {
@@ -268,35 +276,50 @@ TEST(AllocationFailure, LayerAndKvCache) {
                                         [] { return ""; },
                                         [] { return Bits(); }});
   std::optional<KvCache> cache;
-  expect_each_allocation_failure_clean({{"KvCache"},
-                                        [&] { cache.reset(); },
-                                        [&] { cache.emplace(model.c, 2, 16); },
-                                        [] { return ""; },
-                                        [] { return Bits(); }});
+  for (KvType t : kKvTypes) {  // i8 allocates its scales too
+    expect_each_allocation_failure_clean({{"KvCache"},
+                                          [&] { cache.reset(); },
+                                          [&] { cache.emplace(model.c, 2, 16, t); },
+                                          [] { return ""; },
+                                          [] { return Bits(); }});
+  }
 }
 
-// prefill and decode on a cache that holds a past of 3 tokens, and forward: y, the cache's
-// length and every float of its K and V as they were when an allocation fails.
+// prefill and decode on a cache of each KvType that holds a past of 3 tokens (a reduced
+// type's projections go through a scratch of their own), and forward: y, the cache's length
+// and every element of its K and V (and i8's scales) as they were when an allocation fails.
 TEST(AllocationFailure, LayerCalls) {
   const Model model;
   const Layer layer(model.c, model.weights());
   constexpr std::int64_t kBatch = 2, kCapacity = 16, kPast = 3, kNew = 5;
   const std::int64_t d = model.c.d_model;
-  const std::int64_t cache_floats = kBatch * model.c.kv_heads * kCapacity * model.c.head_dim;
+  const std::int64_t cache_rows = kBatch * model.c.kv_heads * kCapacity;
   const std::vector<float> past_k = random(kBatch * model.kvd * kPast, 30),
                            past_v = random(kBatch * model.kvd * kPast, 31),
                            x = random(kBatch * kNew * d, 32);
   std::optional<KvCache> cache;
   std::optional<Filled> y;
   Bits cache_before;
+  KvType type = KvType::f32;
   const auto cache_bits = [&] {
-    Bits b = bits_of(cache->k(), static_cast<std::size_t>(cache_floats));
-    append(b, bits_of(cache->v(), static_cast<std::size_t>(cache_floats)));
+    const auto bytes =
+        static_cast<std::size_t>(cache_rows * model.c.head_dim) * kv_type_bytes(type);
+    Bits b = bits_of_bytes(cache->k_view().data, bytes);
+    append(b, bits_of_bytes(cache->v_view().data, bytes));
+    if (type == KvType::i8) {
+      append(b, bits_of(cache->k_view().scale, static_cast<std::size_t>(cache_rows)));
+      append(b, bits_of(cache->v_view().scale, static_cast<std::size_t>(cache_rows)));
+    }
     return b;
   };
-  for (const std::int64_t n : {kNew, std::int64_t{1}}) {
+  // Prefill and decode on fp32 and i8, one of them on f16 and bf16 (the same path).
+  for (const auto& run : {std::pair{KvType::f32, kNew}, std::pair{KvType::f32, std::int64_t{1}},
+                          std::pair{KvType::f16, kNew}, std::pair{KvType::bf16, std::int64_t{1}},
+                          std::pair{KvType::i8, kNew}, std::pair{KvType::i8, std::int64_t{1}}}) {
+    type = run.first;
+    const std::int64_t n = run.second;
     const auto prepare = [&] {
-      cache.emplace(model.c, kBatch, kCapacity);
+      cache.emplace(model.c, kBatch, kCapacity, type);
       cache->append(past_k.data(), past_v.data(), kPast);
       cache_before = cache_bits();
       y.emplace(kBatch * n * d);
