@@ -388,7 +388,8 @@ struct Rows {
   std::vector<float> k_scale, v_scale;
   bool operator==(const Rows& o) const {
     const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      return a.size() == b.size() &&
+             (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
     };
     return k == o.k && v == o.v && same(k_scale, o.k_scale) && same(v_scale, o.v_scale);
   }

@@ -106,6 +106,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "mha/attention.h"
 #include "mha/support.h"
@@ -178,16 +179,18 @@ __mmask16 sees(__m512i cols, std::int64_t j) {
 // of those rows are touched; prefetches never fault.
 class Prefetch {
  public:
-  // Rows k[j], v[j] for j < keys (row_bytes each, k_seq and v_seq bytes apart), spread over
-  // `steps` step()s: a line of each every few steps, or a few lines every step.
+  // Rows k[j], v[j] for j < keys (head_dim elements of `bytes` bytes each, k_seq and v_seq
+  // elements apart), spread over `steps` step()s: a line of each every few steps, or a few
+  // lines every step. A stride is scaled to bytes only when there is a second row (check()
+  // bounds a stride only by the keys that use it).
   Prefetch(const void* k, std::int64_t k_seq, const void* v, std::int64_t v_seq, std::int64_t keys,
-           std::int64_t row_bytes, std::int64_t steps)
+           std::int64_t head_dim, std::int64_t bytes, std::int64_t steps)
       : k_(static_cast<const char*>(k)),
         v_(static_cast<const char*>(v)),
-        k_seq_(k_seq),
-        v_seq_(v_seq),
+        k_seq_(keys > 1 ? k_seq * bytes : 0),
+        v_seq_(keys > 1 ? v_seq * bytes : 0),
         keys_(keys),
-        row_lines_((row_bytes + 63) / 64) {
+        row_lines_((head_dim * bytes + 63) / 64) {
     const std::int64_t lines = std::max<std::int64_t>(1, keys * row_lines_);
     steps = std::max<std::int64_t>(1, steps);
     every_ = std::max<std::int64_t>(1, steps / lines);
@@ -242,16 +245,20 @@ struct Rows {
   std::int64_t seq;
 };
 
-// Bytes of one element of K or V of type T.
+// What K and V of type T are stored as, and its size.
 template <mha::KvType T>
-constexpr std::int64_t kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+using Elem =
+    std::conditional_t<T == mha::KvType::f32, float,
+                       std::conditional_t<T == mha::KvType::i8, std::int8_t, std::uint16_t>>;
+template <mha::KvType T>
+constexpr std::int64_t kBytes = static_cast<std::int64_t>(sizeof(Elem<T>));
 
 // 16 elements of a K or V row of type T from element i, as floats: f16 by VCVTPH2PS, bf16
 // by a 16-bit shift, i8 by sign extension and VCVTDQ2PS (its scale is the caller's).
 // load_kv_masked: lanes outside `mask` 0, their memory not read.
 template <mha::KvType T>
-__m512 load_kv_masked(const unsigned char* row, std::int64_t i, __mmask16 mask) {
-  const unsigned char* x = row + i * kBytes<T>;
+__m512 load_kv_masked(const Elem<T>* row, std::int64_t i, __mmask16 mask) {
+  const Elem<T>* x = row + i;
   if constexpr (T == mha::KvType::f32) {
     return _mm512_maskz_loadu_ps(mask, x);
   } else if constexpr (T == mha::KvType::f16) {
@@ -265,8 +272,8 @@ __m512 load_kv_masked(const unsigned char* row, std::int64_t i, __mmask16 mask) 
   }
 }
 template <mha::KvType T>
-__m512 load_kv(const unsigned char* row, std::int64_t i) {
-  const unsigned char* x = row + i * kBytes<T>;
+__m512 load_kv(const Elem<T>* row, std::int64_t i) {
+  const Elem<T>* x = row + i;
   if constexpr (T == mha::KvType::f32) {
     return _mm512_loadu_ps(x);
   } else if constexpr (T == mha::KvType::f16) {
@@ -281,17 +288,16 @@ __m512 load_kv(const unsigned char* row, std::int64_t i) {
   }
 }
 
-// rows [0, keys) of a K or V tile (head_dim elements of type T each, `stride` bytes apart;
+// rows [0, keys) of a K or V tile (head_dim elements of type T each, `stride` apart;
 // i8: times its scale, `scales` scale_seq apart, one rounding) into `out` as floats with row
 // stride ld: the microkernels' 12 broadcast rows then sit ld apart whatever the tensor's
 // layout (token-major rows are H_kv D floats apart, 4 KiB at 8 x 128: 12 such rows share one
 // L1 set and evict each other), and a reduced type is converted once per tile.
 template <mha::KvType T>
-void copy_rows(const unsigned char* in, std::int64_t stride, const float* scales,
-               std::int64_t scale_seq, std::int64_t keys, std::int64_t head_dim, float* out,
-               std::int64_t ld) {
+void copy_rows(const Elem<T>* in, std::int64_t stride, const float* scales, std::int64_t scale_seq,
+               std::int64_t keys, std::int64_t head_dim, float* out, std::int64_t ld) {
   for (std::int64_t j = 0; j < keys; ++j) {
-    const unsigned char* row = in + j * stride;
+    const Elem<T>* row = in + j * stride;
     float* to = out + j * ld;
     __m512 scale = _mm512_set1_ps(1.0f);
     if constexpr (T == mha::KvType::i8) scale = _mm512_set1_ps(scales[j * scale_seq]);
@@ -566,10 +572,9 @@ MHA_ALWAYS_INLINE __m512 sum_lanes16(const __m512 (&a)[16]) {
 }
 
 // a[i] += q . k_i over NV vectors (16 NV elements, the last vector's lanes limited to
-// `last`) for the first nk <= 16 of the 16 key rows k_i = k + i k_seq (elements of type T,
-// k_seq bytes apart): decode's S step.
+// `last`) for the first nk <= 16 of the 16 key rows k_i = k + i k_seq (of type T): decode's S step.
 template <int NV, mha::KvType T>
-void dot_16_keys(const float* q, const unsigned char* k, std::int64_t k_seq, std::int64_t nk,
+void dot_16_keys(const float* q, const Elem<T>* k, std::int64_t k_seq, std::int64_t nk,
                  __mmask16 last, __m512 (&a)[16]) {
   __m512 qv[NV];
 #pragma GCC unroll 8
@@ -579,7 +584,7 @@ void dot_16_keys(const float* q, const unsigned char* k, std::int64_t k_seq, std
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     if (i >= nk) break;
-    const unsigned char* key = k + i * k_seq;
+    const Elem<T>* key = k + i * k_seq;
     __m512 dot = a[i];
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
@@ -592,19 +597,18 @@ void dot_16_keys(const float* q, const unsigned char* k, std::int64_t k_seq, std
 }
 
 // acc = alpha acc + sum_{j < cols} w[j] v_j over NV vectors (the last one's lanes limited
-// to `last`) of the rows v_j = v + j v_seq (elements of type T, v_seq bytes apart):
+// to `last`) of the rows v_j = v + j v_seq (of type T):
 // decode's P V step for one row.
 template <int NV, mha::KvType T>
-void add_weighted_rows(const float* w, std::int64_t cols, const unsigned char* v,
-                       std::int64_t v_seq, __mmask16 last, float* acc, __m512 alpha,
-                       Prefetch& prefetch) {
+void add_weighted_rows(const float* w, std::int64_t cols, const Elem<T>* v, std::int64_t v_seq,
+                       __mmask16 last, float* acc, __m512 alpha, Prefetch& prefetch) {
   __m512 o[NV];
 #pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), alpha);
   for (std::int64_t j = 0; j < cols; ++j) {
     prefetch.step();
     const __m512 wj = _mm512_set1_ps(w[j]);
-    const unsigned char* row = v + j * v_seq;
+    const Elem<T>* row = v + j * v_seq;
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
       const __m512 x = c + 1 == NV ? load_kv_masked<T>(row, 16 * c, last) : load_kv<T>(row, 16 * c);
@@ -670,22 +674,22 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
   const __m512 logit_scale = logit_scale_of(p);
   const std::int64_t decode_keys = scratch.tile_keys;
   const std::int64_t steps = rows * (decode_keys / 16 * ((dim + 127) / 128) + decode_keys);
-  const std::int64_t k_seq = p.k.seq * kBytes<T>, v_seq = p.v.seq * kBytes<T>;  // bytes
-  const std::int64_t row_bytes = dim * kBytes<T>;
+  const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
   // One block per (batch, KV head): all its g x q_len rows (block row t: query head
   // head0 + t / q_len, query row t % q_len).
   mha::support::for_each_block(p, p.q_len, [&](const Block& block) {
     const mha::KvView k_view = mha::kv_row(k, T, p.k, p.k_scale, block.batch, 0, block.kv_head);
     const mha::KvView v_view = mha::kv_row(v, T, p.v, p.v_scale, block.batch, 0, block.kv_head);
-    const auto* k_head = static_cast<const unsigned char*>(k_view.data);
-    const auto* v_head = static_cast<const unsigned char*>(v_view.data);
+    const auto* k_head = static_cast<const Elem<T>*>(k_view.data);
+    const auto* v_head = static_cast<const Elem<T>*>(v_view.data);
     float ms[16], ls[16];
     std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
     std::fill(ls, ls + rows, 0.0f);
     std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
     const std::int64_t block_keys = block.keys(p);
-    Prefetch(k_head, k_seq, v_head, v_seq, std::min(decode_keys, block_keys), row_bytes, 1).all();
+    Prefetch(k_head, k_seq, v_head, v_seq, std::min(decode_keys, block_keys), dim, kBytes<T>, 1)
+        .all();
 
     for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
       const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
@@ -695,9 +699,9 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
       // overflow, since check() bounds a stride only by the keys that use it.
       Prefetch next(next_keys > 0 ? k_head + (c0 + decode_keys) * k_seq : k_head, k_seq,
                     next_keys > 0 ? v_head + (c0 + decode_keys) * v_seq : v_head, v_seq, next_keys,
-                    row_bytes, steps);
-      const unsigned char* k_tile = k_head + c0 * k_seq;
-      const unsigned char* v_tile = v_head + c0 * v_seq;
+                    dim, kBytes<T>, steps);
+      const Elem<T>* k_tile = k_head + c0 * k_seq;
+      const Elem<T>* v_tile = v_head + c0 * v_seq;
       for (std::int64_t t = 0; t < rows; ++t) {
         const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
         if (cols == 0) continue;
@@ -707,13 +711,13 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
         __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
           const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-          const unsigned char* keys = k_tile + j0 * k_seq;
+          const Elem<T>* keys = k_tile + j0 * k_seq;
           __m512 a[16];
           for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
           for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
             with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
               dot_16_keys<decltype(vectors)::value, T>(
-                  qr + d0, keys + d0 * kBytes<T>, k_seq, nk,
+                  qr + d0, keys + d0, k_seq, nk,
                   first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
             });
             next.step();
@@ -759,7 +763,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
         for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
           with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
             add_weighted_rows<decltype(vectors)::value, T>(
-                weights, cols, v_tile + d0 * kBytes<T>, v_seq,
+                weights, cols, v_tile + d0, v_seq,
                 first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
           });
         }
@@ -967,20 +971,25 @@ std::size_t mha_f32_attention_avx512_workspace(const mha::Problem& p) {
 namespace {
 
 // copy_rows for K or V of the problem's type.
-void copy_kv_rows(mha::KvType t, const unsigned char* in, std::int64_t stride, const float* scales,
+void copy_kv_rows(mha::KvType t, const void* in, std::int64_t stride, const float* scales,
                   std::int64_t scale_seq, std::int64_t keys, std::int64_t head_dim, float* out,
                   std::int64_t ld) {
+  const auto copy = [&](auto type) {
+    constexpr mha::KvType kType = decltype(type)::value;
+    copy_rows<kType>(static_cast<const Elem<kType>*>(in), stride, scales, scale_seq, keys, head_dim,
+                     out, ld);
+  };
   switch (t) {
     case mha::KvType::f16:
-      return copy_rows<mha::KvType::f16>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+      return copy(std::integral_constant<mha::KvType, mha::KvType::f16>());
     case mha::KvType::bf16:
-      return copy_rows<mha::KvType::bf16>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+      return copy(std::integral_constant<mha::KvType, mha::KvType::bf16>());
     case mha::KvType::i8:
-      return copy_rows<mha::KvType::i8>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+      return copy(std::integral_constant<mha::KvType, mha::KvType::i8>());
     case mha::KvType::f32:
       break;
   }
-  copy_rows<mha::KvType::f32>(in, stride, scales, scale_seq, keys, head_dim, out, ld);
+  copy(std::integral_constant<mha::KvType, mha::KvType::f32>());
 }
 
 // Every problem that is not a decode: blocks of R rows over KV tiles, K and V of any type
@@ -990,19 +999,19 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
   const std::int64_t dim = p.head_dim;
   const mha::KvType type = p.kv_type;
   const auto bytes = static_cast<std::int64_t>(mha::kv_type_bytes(type));
+  const auto at = [&](const mha::KvView& x, std::int64_t offset) {  // `offset` elements on
+    return mha::advance(x, type, offset, 0).data;
+  };
   const Tiling tiling = choose_tiling(p);
   const std::int64_t bc = tiling.keys;
   Carve workspace(ws.data);
   const Scratch s = carve(p, tiling, workspace);
   const __m512 logit_scale = logit_scale_of(p);
 
-  const std::int64_t k_seq = p.k.seq * bytes, v_seq = p.v.seq * bytes;  // in bytes
   mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
     const std::int64_t padded = start_block(p, block, q, s);
     const mha::KvView k_view = mha::kv_row(k, type, p.k, p.k_scale, block.batch, 0, block.kv_head);
     const mha::KvView v_view = mha::kv_row(v, type, p.v, p.v_scale, block.batch, 0, block.kv_head);
-    const auto* k_head = static_cast<const unsigned char*>(k_view.data);
-    const auto* v_head = static_cast<const unsigned char*>(v_view.data);
     const std::int64_t block_keys = block.keys(p);
     // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
     // tile too briefly to hide reading the next one: their first strip prefetches it,
@@ -1012,7 +1021,8 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
     const bool small = padded <= kSmallBlockRows;
     const std::int64_t steps = (bc + kMr - 1) / kMr * dim + (dim + kMr - 1) / kMr * bc;
     if (small) {
-      Prefetch(k_head, k_seq, v_head, v_seq, std::min(bc, block_keys), dim * bytes, 1).all();
+      Prefetch(k_view.data, p.k.seq, v_view.data, p.v.seq, std::min(bc, block_keys), dim, bytes, 1)
+          .all();
     }
     // K and V tiles are copied to the padded stride ldkv, except in decode-sized blocks
     // whose rows are not a multiple of 1 KiB apart: there the copy cost up to a third of a
@@ -1031,16 +1041,15 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
       const std::int64_t tile_keys = std::min(bc, block_keys - c0);
       const std::int64_t next_keys = std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc);
       // As in decode_rows: the next tile's rows only when it has keys.
-      Prefetch next(next_keys > 0 ? k_head + (c0 + bc) * k_seq : k_head, k_seq,
-                    next_keys > 0 ? v_head + (c0 + bc) * v_seq : v_head, v_seq, next_keys,
-                    dim * bytes, steps);
+      Prefetch next(next_keys > 0 ? at(k_view, (c0 + bc) * p.k.seq) : k_view.data, p.k.seq,
+                    next_keys > 0 ? at(v_view, (c0 + bc) * p.v.seq) : v_view.data, p.v.seq,
+                    next_keys, dim, bytes, steps);
       // The microkernels' K and V rows: the tensor's own (fp32), or their copy in `buffer`.
       const auto tile_rows = [&](const mha::KvView& head, std::int64_t seq, std::int64_t scale_seq,
                                  bool copy, float* buffer) {
         const mha::KvView first = mha::advance(head, type, c0 * seq, c0 * scale_seq);
         if (!copy) return Rows{static_cast<const float*>(first.data), seq};  // f32 only
-        copy_kv_rows(type, static_cast<const unsigned char*>(first.data), seq * bytes, first.scale,
-                     scale_seq, tile_keys, dim, buffer, s.ldkv);
+        copy_kv_rows(type, first.data, seq, first.scale, scale_seq, tile_keys, dim, buffer, s.ldkv);
         return Rows{buffer, s.ldkv};
       };
       const Tile tile{c0, tile_keys, tile_rows(k_view, p.k.seq, p.k_scale.seq, copy_k, s.k_tile),
