@@ -355,47 +355,31 @@ std::size_t floats_for(std::int64_t n, KvType t) {
   return static_cast<std::size_t>((n * static_cast<std::int64_t>(kv_type_bytes(t)) + 3) / 4);
 }
 
-// `stored` (floats_for its extent) and, for i8, `scales`: x (fp32, strides st) in p.kv_type:
-// f16 and bf16 rounded to nearest even, i8 with a scale per row from its max-abs, as a
-// cache's append stores them (mha/kv_types.h).
+// `stored` (floats_for its extent) and, for i8, `scales`: x (fp32, strides st) in p.kv_type,
+// row by row as a cache's append stores them (kv::narrow_rows).
 void store_as(const Problem& p, const Strides& st, const Strides& scale_st, const Tensor& x,
               Tensor& stored, Tensor& scales) {
-  const auto n = static_cast<std::int64_t>(x.size());
-  stored.assign(floats_for(n, p.kv_type), 0.0f);
-  switch (p.kv_type) {
-    case KvType::f32:
-      stored = x;
-      return;
-    case KvType::f16:
-    case KvType::bf16: {
-      auto* out = reinterpret_cast<std::uint16_t*>(stored.data());
-      for (std::int64_t i = 0; i < n; ++i) {
-        out[i] = p.kv_type == KvType::f16 ? kv::f32_to_f16(x[static_cast<std::size_t>(i)])
-                                          : kv::f32_to_bf16(x[static_cast<std::size_t>(i)]);
+  stored.assign(floats_for(static_cast<std::int64_t>(x.size()), p.kv_type), 0.0f);
+  const bool i8 = p.kv_type == KvType::i8;
+  if (i8) {
+    scales.assign(static_cast<std::size_t>(extent(scale_st, p.batch, p.kv_len, p.kv_heads, 1)),
+                  0.0f);
+  }
+  auto* out = reinterpret_cast<unsigned char*>(stored.data());
+  const auto bytes = static_cast<std::int64_t>(kv_type_bytes(p.kv_type));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t j = 0; j < p.kv_len; ++j) {
+      for (std::int64_t h = 0; h < p.kv_heads; ++h) {
+        const std::int64_t at = b * st.batch + j * st.seq + h * st.head;
+        float* scale =
+            i8 ? scales.data() + b * scale_st.batch + j * scale_st.seq + h * scale_st.head
+               : nullptr;
+        kv::narrow_rows(p.kv_type, x.data() + at, 1, p.head_dim, out + at * bytes, scale);
       }
-      return;
-    }
-    case KvType::i8: {
-      auto* out = reinterpret_cast<std::int8_t*>(stored.data());
-      scales.assign(static_cast<std::size_t>(extent(scale_st, p.batch, p.kv_len, p.kv_heads, 1)),
-                    0.0f);
-      for (std::int64_t b = 0; b < p.batch; ++b) {
-        for (std::int64_t j = 0; j < p.kv_len; ++j) {
-          for (std::int64_t h = 0; h < p.kv_heads; ++h) {
-            const std::int64_t at = b * st.batch + j * st.seq + h * st.head;
-            scales[static_cast<std::size_t>(b * scale_st.batch + j * scale_st.seq +
-                                            h * scale_st.head)] =
-                kv::quantize_i8_row(x.data() + at, p.head_dim, out + at);
-          }
-        }
-      }
-      return;
     }
   }
 }
 
-// Decode keeps its KV cache head-major, as caches usually are; prefill is token-major
-// throughout (what X W^Q etc. produce).
 // With K and V in f16 or bf16, q rounded to that type too, as the projection of a model that
 // keeps such a cache produces it, and as the frameworks' reduced-precision attention takes it
 // (q, K and V of one type): every implementation, and the reference, read the same q.

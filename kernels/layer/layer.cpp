@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -91,32 +90,6 @@ std::size_t element_bytes(const char* where, KvType t) {
   if (size == 0)
     fail(where, "kv_type (" + std::to_string(static_cast<int>(t)) + ") is not a KvType");
   return size;
-}
-
-// `rows` dense fp32 rows of `dim` values, x[r][e], stored as type t into dense rows at `out`:
-// f32 copied, f16 and bf16 rounded to nearest even, i8 quantised per row with its scale in
-// scales[r] (mha/kv_types.h).
-void convert_rows(KvType t, const float* x, std::int64_t rows, std::int64_t dim, unsigned char* out,
-                  float* scales) {
-  const auto n = static_cast<std::size_t>(rows * dim);
-  switch (t) {
-    case KvType::f32:
-      std::memcpy(out, x, n * sizeof(float));
-      return;
-    case KvType::f16:
-    case KvType::bf16:
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::uint16_t h = t == KvType::f16 ? kv::f32_to_f16(x[i]) : kv::f32_to_bf16(x[i]);
-        std::memcpy(out + 2 * i, &h, sizeof h);
-      }
-      return;
-    case KvType::i8:
-      for (std::int64_t r = 0; r < rows; ++r) {
-        scales[r] =
-            kv::quantize_i8_row(x + r * dim, dim, reinterpret_cast<std::int8_t*>(out) + r * dim);
-      }
-      return;
-  }
 }
 
 // The calling thread's scratch, grown to the largest call so far.
@@ -215,8 +188,8 @@ void KvCache::store(const float* k, const float* v, std::int64_t n) {
       const auto at = row * static_cast<std::size_t>(D) * size;
       float* k_scale = k_scale_.empty() ? nullptr : k_scale_.data() + row;
       float* v_scale = v_scale_.empty() ? nullptr : v_scale_.data() + row;
-      convert_rows(kv_type_, k + from, n, D, k_.data() + at, k_scale);
-      convert_rows(kv_type_, v + from, n, D, v_.data() + at, v_scale);
+      kv::narrow_rows(kv_type_, k + from, n, D, k_.data() + at, k_scale);
+      kv::narrow_rows(kv_type_, v + from, n, D, v_.data() + at, v_scale);
     }
   }
   length_ += n;

@@ -135,6 +135,34 @@ inline float quantize_i8_row(const float* x, std::int64_t n, std::int8_t* q) {
   return scale;
 }
 
+/// `rows` dense rows of `dim` fp32 values, x[r][e], stored as type t into dense rows at
+/// `out` (dim elements of t each), as a cache's append stores them: f32 copied, f16 and bf16
+/// rounded to nearest even, i8 quantised per row (quantize_i8_row) with its scale in
+/// scales[r] (not touched for the other types).
+inline void narrow_rows(KvType t, const float* x, std::int64_t rows, std::int64_t dim, void* out,
+                        float* scales) {
+  auto* bytes = static_cast<unsigned char*>(out);
+  const std::int64_t n = rows * dim;
+  switch (t) {
+    case KvType::f32:
+      std::memcpy(out, x, static_cast<std::size_t>(n) * sizeof(float));
+      return;
+    case KvType::f16:
+    case KvType::bf16:
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::uint16_t h = t == KvType::f16 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
+        std::memcpy(bytes + 2 * i, &h, sizeof h);
+      }
+      return;
+    case KvType::i8:
+      for (std::int64_t r = 0; r < rows; ++r) {
+        scales[r] =
+            quantize_i8_row(x + r * dim, dim, reinterpret_cast<std::int8_t*>(bytes) + r * dim);
+      }
+      return;
+  }
+}
+
 /// What element i of a K or V row of type t stores, in fp32 (exact): the value itself for
 /// f32, f16 and bf16, the integer q for i8 (whose value is q times the row's scale).
 inline float stored_at(KvType t, const void* row, std::int64_t i) {
