@@ -643,12 +643,9 @@ Problem planted_problem(const Workspace& w, std::size_t c, KvView& k, KvView& v)
           for (std::int64_t h = 0; h < p.kv_heads; ++h) {
             for (std::int64_t j = 0, t = 0; j < p.kv_len; ++j) {
               if (j == p.kv_len / 2) continue;
-              const KvView row = advance(from, p.kv_type, b * st.batch + j * st.seq + h * st.head,
-                                         b * scale_st.batch + j * scale_st.seq + h * scale_st.head);
-              const KvView out =
-                  advance(KvView(to.data(), to_scale.data()), p.kv_type,
-                          b * cut.k.batch + t * cut.k.seq + h * cut.k.head,
-                          b * cut.k_scale.batch + t * cut.k_scale.seq + h * cut.k_scale.head);
+              const KvView row = kv_row(from, p.kv_type, st, scale_st, b, j, h);
+              const KvView out = kv_row(KvView(to.data(), to_scale.data()), p.kv_type, cut.k,
+                                        cut.k_scale, b, t, h);
               std::memcpy(const_cast<void*>(out.data), row.data, row_bytes);
               if (i8) *const_cast<float*>(out.scale) = *row.scale;
               ++t;

@@ -241,12 +241,8 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     tp.kv_len = task.c1 - task.c0;
     tp.causal = task.causal;
     const float* tq = q + u.b * p.q.batch + u.r0 * p.q.seq + u.kv * g * p.q.head;
-    const KvView tk =
-        advance(k, p.kv_type, u.b * p.k.batch + task.c0 * p.k.seq + u.kv * p.k.head,
-                u.b * p.k_scale.batch + task.c0 * p.k_scale.seq + u.kv * p.k_scale.head);
-    const KvView tv =
-        advance(v, p.kv_type, u.b * p.v.batch + task.c0 * p.v.seq + u.kv * p.v.head,
-                u.b * p.v_scale.batch + task.c0 * p.v_scale.seq + u.kv * p.v_scale.head);
+    const KvView tk = kv_row(k, p.kv_type, p.k, p.k_scale, u.b, task.c0, u.kv);
+    const KvView tv = kv_row(v, p.kv_type, p.v, p.v_scale, u.b, task.c0, u.kv);
     const Workspace kws{l.kernel + static_cast<std::size_t>(thread_index()) * l.kernel_stride,
                         bd.kernel_bytes};
     if (task.part < 0) {

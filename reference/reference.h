@@ -35,8 +35,7 @@ struct KvRow {
 };
 inline KvRow kv_row(const Problem& p, const KvView& x, const Strides& st, const Strides& scale_st,
                     std::int64_t b, std::int64_t j, std::int64_t h) {
-  const KvView row = advance(x, p.kv_type, b * st.batch + j * st.seq + h * st.head,
-                             b * scale_st.batch + j * scale_st.seq + h * scale_st.head);
+  const KvView row = mha::kv_row(x, p.kv_type, st, scale_st, b, j, h);
   return {p.kv_type, row.data, p.kv_type == KvType::i8 ? static_cast<double>(*row.scale) : 1.0};
 }
 inline KvRow k_row(const Problem& p, const KvView& k, std::int64_t b, std::int64_t j,

@@ -275,9 +275,7 @@ void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvVie
     const auto tile_rows = [&](const mha::KvView& x, const mha::Strides& st,
                                const mha::Strides& scale_st, std::int64_t c0, std::int64_t keys,
                                std::int64_t* seq) -> const float* {
-      const mha::KvView rows = mha::advance(
-          x, type, block.batch * st.batch + c0 * st.seq + block.kv_head * st.head,
-          block.batch * scale_st.batch + c0 * scale_st.seq + block.kv_head * scale_st.head);
+      const mha::KvView rows = mha::kv_row(x, type, st, scale_st, block.batch, c0, block.kv_head);
       if (type == mha::KvType::f32) {
         *seq = st.seq;
         return static_cast<const float*>(rows.data);

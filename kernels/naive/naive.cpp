@@ -33,12 +33,10 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
       const std::int64_t kv_head = h / group;
       // Row j of K: its elements and, for i8, its scale.
       const auto k_row = [&](std::int64_t j) {
-        return mha::advance(k, type, b * p.k.batch + j * p.k.seq + kv_head * p.k.head,
-                            b * p.k_scale.batch + j * p.k_scale.seq + kv_head * p.k_scale.head);
+        return mha::kv_row(k, type, p.k, p.k_scale, b, j, kv_head);
       };
       const auto v_row = [&](std::int64_t j) {
-        return mha::advance(v, type, b * p.v.batch + j * p.v.seq + kv_head * p.v.head,
-                            b * p.v_scale.batch + j * p.v_scale.seq + kv_head * p.v_scale.head);
+        return mha::kv_row(v, type, p.v, p.v_scale, b, j, kv_head);
       };
       for (std::int64_t i = 0; i < p.q_len; ++i) {
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;

@@ -355,8 +355,7 @@ struct Loops {
   // The first row of block's KV head in x (K or V), and for i8 its scale.
   static mha::KvView kv_head(const mha::Problem& p, const Block& block, const mha::KvView& x,
                              const mha::Strides& st, const mha::Strides& scale_st) {
-    return mha::advance(x, p.kv_type, block.batch * st.batch + block.kv_head * st.head,
-                        block.batch * scale_st.batch + block.kv_head * scale_st.head);
+    return mha::kv_row(x, p.kv_type, st, scale_st, block.batch, 0, block.kv_head);
   }
 
   // kTyped: K and V of a reduced type, each tile widened into s.wide before it is packed
