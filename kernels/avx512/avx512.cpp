@@ -39,9 +39,11 @@
 // Decode. With fewer than 16 rows (g x q_len) per KV head, the lanes of the transposed
 // microkernels would mostly be padding (one decode row uses one lane in 16), so
 // decode_rows() turns the lanes along head_dim instead: K and V are read in whole vectors,
-// 16 keys' dot products of a row are finished together (sum_lanes16), and P V adds
-// weight x V row into 8 zmm of the row's accumulator. Decode
-// streams K and V from memory, so keys come in tiles of 32 with the next one prefetched.
+// the query heads that share a KV head go in groups of up to 4 rows that load each K and V
+// vector once, 16 dot products (16 keys of one row, or 4 keys of 4 rows) are finished
+// together (sum_lanes16), and P V adds weight x V row into 16 zmm of accumulators. Decode
+// streams K and V from memory, so keys come in tiles of 16 or 32 with the next one
+// prefetched.
 //
 // Sizes, from the caches of the core (mha::support::caches()). Bc = 128 keys: the
 // streamed strip of P^T and S^T (Bc x 32 floats, 16 KiB) stays in any L1d of 32 KiB or
@@ -619,22 +621,93 @@ void add_weighted_rows(const float* w, std::int64_t cols, const Elem<T>* v, std:
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
 }
 
+// Decode's row groups: the R query heads of a KV head at one query position read the same
+// keys, so their S and P V steps run together and each K or V vector is loaded (and
+// converted) once for R rows instead of once per row. R is 1, 2 or 4 (kMaxGroup); 16
+// accumulators hold R rows x 16 / R keys in S and R rows x 16 / R vectors in P V.
+constexpr int kMaxGroup = 4;
+template <int R>
+constexpr int kGroupKeys = 16 / R;  // keys per S step of an R-row group
+
+// a[r kGroupKeys + i] += q_r . k_i for r < R and the first nk <= kGroupKeys keys k_i =
+// k + i k_seq (of type T), over NV vectors of head_dim (the last one's lanes limited to
+// `last`): decode's S step for R >= 2 rows. Per vector of head_dim: R loads of q, one load
+// (and conversion) per key, R x keys FMAs.
+template <int R, int NV, mha::KvType T>
+void dot_group_keys(const float* const (&q)[R], const Elem<T>* k, std::int64_t k_seq,
+                    std::int64_t nk, __mmask16 last, __m512 (&a)[16]) {
+  constexpr int kKeys = kGroupKeys<R>;
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    const __mmask16 lanes = c + 1 == NV ? last : static_cast<__mmask16>(0xFFFF);
+    __m512 qv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) qv[r] = _mm512_maskz_loadu_ps(lanes, q[r] + 16 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < kKeys; ++i) {
+      if (i >= nk) break;
+      const Elem<T>* key = k + i * k_seq;
+      const __m512 x = c + 1 == NV ? load_kv_masked<T>(key, 16 * c, last) : load_kv<T>(key, 16 * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a[r * kKeys + i] = _mm512_fmadd_ps(qv[r], x, a[r * kKeys + i]);
+    }
+  }
+}
+
+// acc_r = alpha_r acc_r + sum_{j < cols} w_r[j] v_j for r < R over NV vectors (the last
+// one's lanes limited to `last`) of the rows v_j = v + j v_seq (of type T): decode's P V step
+// for R >= 2 rows, each V vector loaded (and converted) once for the R rows. No prefetch step
+// in its loop: with one, GCC 12 ran out of general registers and kept broadcast weights on
+// the stack.
+template <int R, int NV, mha::KvType T>
+void add_weighted_rows_group(const float* const (&w)[R], std::int64_t cols, const Elem<T>* v,
+                             std::int64_t v_seq, __mmask16 last, float* const (&acc)[R],
+                             const float (&alpha)[R]) {
+  __m512 o[R][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), a);
+  }
+  for (std::int64_t j = 0; j < cols; ++j) {
+    __m512 wj[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wj[r] = _mm512_set1_ps(w[r][j]);
+    const Elem<T>* row = v + j * v_seq;
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      const __m512 x = c + 1 == NV ? load_kv_masked<T>(row, 16 * c, last) : load_kv<T>(row, 16 * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(wj[r], x, o[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc[r] + 16 * c, o[r][c]);
+  }
+}
+
 // Decode: fewer than 16 query rows (g x q_len) per KV head, too few to fill the lanes of the
 // transposed microkernels (one decode row would use 1 lane in 16). Here the lanes run along
-// head_dim instead and K and V are read in whole vectors (from memory for the first row of
-// a tile, from L1 for the others): per row, 16 keys' dot products accumulate in 16 zmm and
-// are finished together by sum_lanes16, and P V adds weight x V row into the row's
-// accumulator, 8 zmm at a time. Keys come in tiles of support::decode_tile_keys (K and V
-// of a tile in two thirds of L1d: 32 keys at D = 128 with a 48 KiB L1d, 16 with 32 KiB)
-// while the next tile is prefetched; a row reads only the keys it sees, so masked V rows
-// are never touched.
+// head_dim instead and K and V are read in whole vectors (from memory for the first group of
+// a tile, from L1 for the others). The g query heads of a KV head at one query position see
+// the same keys; they go in groups of R = 4, 2 or 1 rows (g = 8: 4 + 4, g = 6: 4 + 2, g = 1:
+// 1), and a group's S and P V steps load and convert each K and V vector once for its R rows:
+// 16 accumulators hold 16 / R keys' dot products of each row, finished together by
+// sum_lanes16, and P V adds weight x V row into 16 / R zmm of each row's accumulator. Keys
+// come in tiles of support::decode_tile_keys (K and V of a tile in two thirds of L1d: 32
+// keys at D = 128 with a 48 KiB L1d, 16 with 32 KiB) while the next tile is prefetched; a
+// group reads only the keys its rows see, so masked V rows are never touched. Each row's
+// softmax runs on its own row of logits, 16 at a time, as with R = 1.
 //
 //   for each (batch, KV head): its g x q_len rows, O = 0
 //     for each tile of keys, the next one prefetched:
-//       for each row that sees a key of the tile:
-//         S: 16 keys' dot products at once                  dot_16_keys, sum_lanes16
-//         online softmax, base 2: m, alpha, P = 2^(S - m), l
-//         O = alpha O + P V, 8 zmm of head_dim at a time    add_weighted_rows
+//       for each query position, for each group of R heads that sees a key of the tile:
+//         S: 16 / R keys' dot products of R rows at once    dot_group_keys, sum_lanes16
+//         per row, online softmax, base 2: m, alpha, P = 2^(S - m), l
+//         O = alpha O + P V, 16 / R zmm of head_dim at a time   add_weighted_rows_group
 //     o = O / l, lse = (m + log2 l) ln 2                    finish_row
 //
 // One function on purpose: with the three per-row steps as functions of their own, a
@@ -646,7 +719,9 @@ struct DecodeScratch {
   std::int64_t d16;        // head_dim rounded up to 16: an accumulator's length
   float* acc;              // [rows][d16]: O
   std::int64_t tile_keys;  // keys per tile, a multiple of 16
-  float* weights;          // [tile_keys]: one row's logits, then its weights
+  std::int64_t ldw;        // tile_keys + 16: a row of weights, room for a whole vector past
+                           // its last key
+  float* weights;          // [kMaxGroup][ldw]: a group's logits, then its weights
 };
 
 DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
@@ -655,8 +730,25 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
   s.d16 = round_up(p.head_dim, 16);
   s.acc = carve.take<float>(rows * s.d16);
   s.tile_keys = mha::support::decode_tile_keys(p, 16);
-  s.weights = carve.take<float>(s.tile_keys);
+  s.ldw = s.tile_keys + 16;
+  s.weights = carve.take<float>(kMaxGroup * s.ldw);
   return s;
+}
+
+// Rows of the next group when `left` query heads of a KV head remain: 4, 2 or 1.
+std::int64_t group_rows(std::int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+// Zmm of head_dim per P V step of an R-row group (R x that many accumulators).
+constexpr int pv_vectors(int rows) { return rows == 4 ? 4 : 8; }
+
+// Prefetch::step() calls of an R-row group over a tile of `keys` keys: one per S step per
+// 128 columns; in P V one per key and slice (R = 1), or per 16 / R keys and slice.
+std::int64_t group_steps(std::int64_t rows, std::int64_t keys, std::int64_t head_dim) {
+  const std::int64_t s_keys = 16 / rows;
+  const std::int64_t pv_cols = 16 * pv_vectors(static_cast<int>(rows));
+  const std::int64_t pv_keys = rows == 1 ? keys : (keys + s_keys - 1) / s_keys;
+  return (keys + s_keys - 1) / s_keys * ((head_dim + 127) / 128) +
+         pv_keys * ((head_dim + pv_cols - 1) / pv_cols);
 }
 
 // K and V of type T, rows read in place (i8: a key's scale multiplies its finished logit,
@@ -665,15 +757,20 @@ template <mha::KvType T>
 void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                  float* lse, mha::Workspace ws) {
   const std::int64_t dim = p.head_dim;
-  const std::int64_t rows = p.q_heads / p.kv_heads * p.q_len;  // < 16
+  const std::int64_t heads = p.q_heads / p.kv_heads;  // g
+  const std::int64_t rows = heads * p.q_len;          // < 16
   const std::int64_t d16 = round_up(dim, 16);
   Carve workspace(ws.data);
   const DecodeScratch scratch = carve_decode(p, workspace);
   float* const acc_rows = scratch.acc;
   float* const weights = scratch.weights;
+  const std::int64_t ldw = scratch.ldw;
   const __m512 logit_scale = logit_scale_of(p);
   const std::int64_t decode_keys = scratch.tile_keys;
-  const std::int64_t steps = rows * (decode_keys / 16 * ((dim + 127) / 128) + decode_keys);
+  std::int64_t steps = 0;
+  for (std::int64_t h0 = 0; h0 < heads; h0 += group_rows(heads - h0)) {
+    steps += p.q_len * group_steps(group_rows(heads - h0), decode_keys, dim);
+  }
   const std::int64_t k_seq = p.k.seq, v_seq = p.v.seq;
 
   // One block per (batch, KV head): all its g x q_len rows (block row t: query head
@@ -702,23 +799,37 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
                     dim, kBytes<T>, steps);
       const Elem<T>* k_tile = k_head + c0 * k_seq;
       const Elem<T>* v_tile = v_head + c0 * v_seq;
-      for (std::int64_t t = 0; t < rows; ++t) {
-        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
-        if (cols == 0) continue;
-        const float* qr = block.q_row(p, q, t);
-        // Base-2 logits of the row's `cols` keys, 16 at a time: key i's dot product in
-        // a[i], over slices of 128 columns of head_dim whose q part stays in registers.
-        __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-          const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+
+      // The group of R rows t0 + r q_len (query heads head0 + t0 / q_len + r, one query row).
+      const auto run_group = [&](auto group_size, std::int64_t t0) {
+        constexpr int R = decltype(group_size)::value;
+        constexpr int kKeys = kGroupKeys<R>;
+        // The same for every row of the group: they share the query row.
+        const std::int64_t cols = block.tile_keys_seen(p, t0, c0, tile_keys);
+        if (cols == 0) return;
+        const float* qr[R];
+        for (int r = 0; r < R; ++r) qr[r] = block.q_row(p, q, t0 + r * p.q_len);
+        // Base-2 logits of the rows' `cols` keys, kKeys at a time: row r's dot product with
+        // key i in a[r kKeys + i], over slices of 128 columns of head_dim. Row r's logits go
+        // to weights + r ldw.
+        __m512 mv[R];
+        for (int r = 0; r < R; ++r) mv[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (std::int64_t j0 = 0; j0 < cols; j0 += kKeys) {
+          const std::int64_t nk = std::min<std::int64_t>(kKeys, cols - j0);
           const Elem<T>* keys = k_tile + j0 * k_seq;
           __m512 a[16];
           for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
           for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
             with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-              dot_16_keys<decltype(vectors)::value, T>(
-                  qr + d0, keys + d0, k_seq, nk,
-                  first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), a);
+              constexpr int NV = decltype(vectors)::value;
+              const __mmask16 key_tail = first_lanes(dim - d0 - 16 * (NV - 1));
+              if constexpr (R == 1) {
+                dot_16_keys<NV, T>(qr[0] + d0, keys + d0, k_seq, nk, key_tail, a);
+              } else {
+                const float* qd[R];
+                for (int r = 0; r < R; ++r) qd[r] = qr[r] + d0;
+                dot_group_keys<R, NV, T>(qd, keys + d0, k_seq, nk, key_tail, a);
+              }
             });
             next.step();
           }
@@ -726,46 +837,96 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
           if constexpr (T == mha::KvType::i8) {
             alignas(64) float scales[16] = {};
             for (std::int64_t i = 0; i < nk; ++i) {
-              scales[i] = k_view.scale[(c0 + j0 + i) * p.k_scale.seq];
+              const float scale = k_view.scale[(c0 + j0 + i) * p.k_scale.seq];
+              for (int r = 0; r < R; ++r) scales[r * kKeys + i] = scale;
             }
             s = _mm512_mul_ps(s, _mm512_load_ps(scales));
           }
-          _mm512_storeu_ps(weights + j0, s);
-          // VMAXPS returns its second source when either is NaN: NaN logits stay out.
-          mv = _mm512_mask_max_ps(mv, first_lanes(nk), s, mv);
+          const __mmask16 valid = first_lanes(nk);
+          for (int r = 0; r < R; ++r) {
+            __m512 sr = s;  // row r's logits in lanes 0 .. nk - 1
+            if constexpr (R > 1) {
+              const __m512i from = _mm512_add_epi32(
+                  _mm512_set1_epi32(r * kKeys),
+                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+              sr = _mm512_permutexvar_ps(from, s);
+            }
+            // All 16 lanes, the ones past nk into the next step's keys or the row's last 16
+            // floats: a masked store does not forward to the softmax's loads (with one, MHA
+            // decode of f16 from DRAM ran 1.12 [1.05, 1.23] times as long as before groups).
+            _mm512_storeu_ps(weights + r * ldw + j0, sr);
+            // VMAXPS returns its second source when either is NaN: NaN logits stay out.
+            mv[r] = _mm512_mask_max_ps(mv[r], valid, sr, mv[r]);
+          }
         }
-        // alpha by the vector 2^x (its error cancels: O and l get the same factor).
-        const float tile_max = lanes_max(mv);  // no lane of mv is NaN
-        float alpha = 1.0f;
-        if (tile_max > ms[t]) {
-          // 0 when the old max is -inf.
-          alpha = _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
-          ms[t] = tile_max;
+        // Each row's softmax over its logits, 16 at a time.
+        float alpha[R];
+        for (int r = 0; r < R; ++r) {
+          const std::int64_t t = t0 + r * p.q_len;
+          float* w = weights + r * ldw;
+          // alpha by the vector 2^x (its error cancels: O and l get the same factor).
+          const float tile_max = lanes_max(mv[r]);  // no lane of mv is NaN
+          alpha[r] = 1.0f;
+          if (tile_max > ms[t]) {
+            // 0 when the old max is -inf.
+            alpha[r] =
+                _mm512_cvtss_f32(mha::avx512::exp2_nonpositive(_mm512_set1_ps(ms[t] - tile_max)));
+            ms[t] = tile_max;
+          }
+          const __m512 base = _mm512_set1_ps(mha::support::logit_shift(ms[t]));
+          __m512 sum = _mm512_setzero_ps();
+          for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+            const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
+            const __m512 x = _mm512_maskz_mov_ps(
+                first_lanes(nk),
+                mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(w + j0), base)));
+            _mm512_storeu_ps(w + j0, x);
+            sum = _mm512_add_ps(sum, x);
+          }
+          ls[t] = ls[t] * alpha[r] + lanes_sum(sum);
+          if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum
+            for (std::int64_t j = 0; j < cols; ++j) w[j] *= v_view.scale[(c0 + j) * p.v_scale.seq];
+          }
         }
-        const __m512 base = _mm512_set1_ps(mha::support::logit_shift(ms[t]));
-        __m512 sum = _mm512_setzero_ps();
-        for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
-          const std::int64_t nk = std::min<std::int64_t>(16, cols - j0);
-          const __m512 w = _mm512_maskz_mov_ps(
-              first_lanes(nk),
-              mha::avx512::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights + j0), base)));
-          _mm512_storeu_ps(weights + j0, w);
-          sum = _mm512_add_ps(sum, w);
+        // O = alpha O + P V over the rows' keys, pv_vectors(R) zmm of head_dim at a time.
+        float* acc = acc_rows + t0 * d16;
+        constexpr int kVectors = pv_vectors(R);
+        for (std::int64_t d0 = 0; d0 < dim; d0 += 16 * kVectors) {
+          with_count<kVectors>(
+              (std::min<std::int64_t>(16 * kVectors, dim - d0) + 15) / 16, [&](auto vectors) {
+                constexpr int NV = decltype(vectors)::value;
+                const __mmask16 last = first_lanes(dim - d0 - 16 * (NV - 1));
+                if constexpr (R == 1) {
+                  add_weighted_rows<NV, T>(weights, cols, v_tile + d0, v_seq, last, acc + d0,
+                                           _mm512_set1_ps(alpha[0]), next);
+                } else {
+                  const float* w[R];
+                  float* accs[R];
+                  for (int r = 0; r < R; ++r) {
+                    w[r] = weights + r * ldw;
+                    accs[r] = acc + r * p.q_len * d16 + d0;
+                  }
+                  add_weighted_rows_group<R, NV, T>(w, cols, v_tile + d0, v_seq, last, accs, alpha);
+                }
+              });
+          if constexpr (R > 1) {
+            for (std::int64_t j = 0; j < cols; j += kKeys) next.step();
+          }
         }
-        ls[t] = ls[t] * alpha + lanes_sum(sum);
-        if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum
-          for (std::int64_t j = 0; j < cols; ++j)
-            weights[j] *= v_view.scale[(c0 + j) * p.v_scale.seq];
-        }
-        // O = alpha O + P V over the row's keys, 8 zmm of head_dim at a time.
-        float* acc = acc_rows + t * d16;
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (std::int64_t d0 = 0; d0 < dim; d0 += 128) {
-          with_count<8>((std::min<std::int64_t>(128, dim - d0) + 15) / 16, [&](auto vectors) {
-            add_weighted_rows<decltype(vectors)::value, T>(
-                weights, cols, v_tile + d0, v_seq,
-                first_lanes(dim - d0 - 16 * (decltype(vectors)::value - 1)), acc + d0, av, next);
-          });
+      };
+      for (std::int64_t row = 0; row < p.q_len; ++row) {
+        for (std::int64_t h0 = 0; h0 < heads; h0 += group_rows(heads - h0)) {
+          const std::int64_t t0 = h0 * p.q_len + row;
+          switch (group_rows(heads - h0)) {
+            case 4:
+              run_group(std::integral_constant<int, 4>{}, t0);
+              break;
+            case 2:
+              run_group(std::integral_constant<int, 2>{}, t0);
+              break;
+            default:
+              run_group(std::integral_constant<int, 1>{}, t0);
+          }
         }
       }
     }
