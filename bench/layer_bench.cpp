@@ -331,12 +331,15 @@ void run_gemm_peer(benchmark::State& state, PeerServer& server, const std::strin
 struct LayerCase {
   LayerShape s;  // batch, d, heads, kv_heads, head_dim, n, past, causal (no biases)
   int threads;
+  KvType kv = KvType::f32;  // the cache's element type ("/kv:<type>" unless f32)
   LayerConfig config() const { return {s.d, s.heads, s.kv_heads, s.head_dim}; }
   std::string name(const std::string& impl) const {
     std::ostringstream os;
     os << "layer/" << impl << "/B:" << s.batch << "/d:" << s.d << "/H:" << s.heads
        << "/Hkv:" << s.kv_heads << "/D:" << s.head_dim << "/n:" << s.n << "/Lk:" << s.past + s.n
-       << "/causal:" << s.causal << "/threads:" << threads;
+       << "/causal:" << s.causal;
+    if (kv != KvType::f32) os << "/kv:" << kv_type_name(kv);
+    os << "/threads:" << threads;
     return os.str();
   }
 };
@@ -344,7 +347,7 @@ struct LayerCase {
 std::vector<LayerCase> layer_cases(const LayerBenchOptions& o) {
   std::vector<LayerCase> out;
   const auto add = [&](std::int64_t d, std::int64_t h, std::int64_t hkv, std::int64_t n,
-                       std::int64_t past) {
+                       std::int64_t past, KvType kv = KvType::f32) {
     LayerShape s;
     s.batch = 1;
     s.d = d;
@@ -354,12 +357,16 @@ std::vector<LayerCase> layer_cases(const LayerBenchOptions& o) {
     s.n = n;
     s.past = past;
     s.causal = true;
-    out.push_back({s, 1});
-    if (o.cores > 1) out.push_back({s, o.cores});
+    out.push_back({s, 1, kv});
+    if (o.cores > 1) out.push_back({s, o.cores, kv});
   };
+  // Decode steps with the cache in a reduced type (the project's layer only: the others
+  // keep fp32 caches).
+  constexpr KvType kReduced[] = {KvType::f16, KvType::bf16, KvType::i8};
   if (o.quick) {
     add(256, 4, 2, 64, 0);
     add(256, 4, 2, 1, 127);
+    add(256, 4, 2, 1, 127, KvType::i8);
     return out;
   }
   // d = 4096, H = 32 (D = 128): prefill of a 2048-token prompt (GQA 32/8), and one decode
@@ -376,6 +383,15 @@ std::vector<LayerCase> layer_cases(const LayerBenchOptions& o) {
          o.full ? std::vector<std::int64_t>{2048, 8192, 32768} : std::vector<std::int64_t>{8192})
       add(4096, 32, hkv, 1, lk - 1);
   }
+  // The same steps from a reduced cache: at the default size GQA 32/8 at 8192 keys.
+  for (KvType kv : kReduced) {
+    for (std::int64_t hkv :
+         o.full ? std::vector<std::int64_t>{32, 8, 1} : std::vector<std::int64_t>{8}) {
+      for (std::int64_t lk :
+           o.full ? std::vector<std::int64_t>{2048, 8192, 32768} : std::vector<std::int64_t>{8192})
+        add(4096, 32, hkv, 1, lk - 1, kv);
+    }
+  }
   return out;
 }
 
@@ -384,6 +400,9 @@ struct LayerData {
   LayerCase c{};
   Tensor x, wq, wk, wv, wo, y;
   Tensor past_k, past_v;  // [batch][Hkv][past][D]
+  // The project's layer's cache after its last call (set up by layer_impls): for a reduced
+  // type the reference reads the values it stores.
+  std::shared_ptr<const KvCache> cache;
 };
 
 LayerData& layer_data(const LayerCase& c) {
@@ -419,6 +438,12 @@ LayerWeights weights_of(const LayerData& d) {
   return w;
 }
 
+// A cache's stored keys and values as the reference takes them (reference/layer.h).
+ref::StoredKv stored_of(const KvCache& cache) {
+  return {cache.kv_type(), cache.k_view(),        cache.v_view(),
+          cache.strides(), cache.scale_strides(), cache.length()};
+}
+
 // y against the double-precision layer and its derived bound (reference/layer.h): a decode
 // step's rows (the past taken as exact), or for a causal prefill the first 16 positions of
 // every sequence, which see only each other, and the last 16, which see the whole prompt.
@@ -445,17 +470,22 @@ std::string check_layer_output(const LayerData& d, double exp_ulp) {
     static std::map<std::tuple<double, std::int64_t, std::int64_t>, ref::LayerResult> cache;
     std::ostringstream shape;
     shape << s.batch << ' ' << s.d << ' ' << s.heads << ' ' << s.kv_heads << ' ' << s.head_dim
-          << ' ' << s.n << ' ' << s.past << ' ' << s.causal;
+          << ' ' << s.n << ' ' << s.past << ' ' << s.causal << ' ' << kv_type_name(d.c.kv);
     if (shape.str() != cached_shape) {
       cache.clear();
       cached_shape = shape.str();
     }
     auto found = cache.find({exp_ulp, len, first});
     if (found == cache.end()) {
+      // A reduced cache: every key and value as the cache stores them (the past's and the
+      // new token's), the queries projected from x.
       found = cache
                   .emplace(std::make_tuple(exp_ulp, len, first),
-                           ref::layer(d.c.config(), weights_of(d), x.data(), s.batch, len, first,
-                                      s.causal, exp_ulp, past))
+                           d.c.kv == KvType::f32
+                               ? ref::layer(d.c.config(), weights_of(d), x.data(), s.batch, len,
+                                            first, s.causal, exp_ulp, past)
+                               : ref::layer(d.c.config(), weights_of(d), x.data(), s.batch, len,
+                                            first, s.causal, exp_ulp, stored_of(*d.cache)))
                   .first;
     }
     const ref::LayerResult& r = found->second;
@@ -492,18 +522,19 @@ double layer_flops(const LayerShape& s) {
          4.0 * static_cast<double>(s.head_dim) * pairs * static_cast<double>(s.batch * s.heads);
 }
 
-// What one decode step must read: the four weights and the whole KV cache.
-double layer_bytes(const LayerShape& s) {
+// What one decode step must read: the four weights and the whole KV cache (in its type).
+double layer_bytes(const LayerShape& s, KvType kv) {
   const double d = static_cast<double>(s.d), hd = static_cast<double>(s.heads * s.head_dim);
   const double kvd = static_cast<double>(s.kv_heads * s.head_dim);
   return 4.0 * (d * (hd + 2.0 * kvd) + hd * d) +
          static_cast<double>(KvCache::bytes(LayerConfig{s.d, s.heads, s.kv_heads, s.head_dim},
-                                            s.batch, s.past + s.n));
+                                            s.batch, s.past + s.n, kv));
 }
 
 struct LayerImpl {
   std::string name, isa;
   double exp_ulp;
+  bool kv_types;  // keeps its cache in any KvType (else fp32 only)
   // Set up for the data (packing, the past into the cache: not timed); the call it returns
   // computes one step from the same past every time.
   std::function<std::function<void(int)>(LayerData&)> setup;
@@ -565,11 +596,13 @@ std::vector<LayerImpl> layer_impls() {
   // The project's layer on its best GEMM kernel (its name is the benchmark's) and best
   // attention kernel.
   const GemmInfo& g = best_gemm();
-  out.push_back({g.name, isa_name(g.isa), best_kernel().exp_ulp, [info = &g](LayerData& d) {
+  out.push_back({g.name, isa_name(g.isa), best_kernel().exp_ulp, true, [info = &g](LayerData& d) {
                    const LayerShape& s = d.c.s;
                    auto layer = std::make_shared<Layer>(d.c.config(), weights_of(d), info->name);
-                   auto cache = std::make_shared<KvCache>(d.c.config(), s.batch, s.past + s.n);
+                   auto cache =
+                       std::make_shared<KvCache>(d.c.config(), s.batch, s.past + s.n, d.c.kv);
                    if (s.past > 0) cache->append(d.past_k.data(), d.past_v.data(), s.past);
+                   d.cache = cache;
                    return std::function<void(int)>([layer, cache, &d](int threads) {
                      const LayerShape& shape = d.c.s;
                      cache->truncate(shape.past);
@@ -577,7 +610,7 @@ std::vector<LayerImpl> layer_impls() {
                    });
                  }});
   const auto composed = [&out](const char* name, Sgemm gemm, void (*set_threads)(int)) {
-    out.push_back({name, "", kComposedExpUlp, [gemm, set_threads](LayerData& d) {
+    out.push_back({name, "", kComposedExpUlp, false, [gemm, set_threads](LayerData& d) {
                      auto layer = std::make_shared<ComposedLayer>(gemm, set_threads, d);
                      return std::function<void(int)>([layer](int threads) { layer->run(threads); });
                    }});
@@ -608,12 +641,12 @@ void run_layer_benchmark(benchmark::State& state, const LayerImpl& impl, const L
     }
     verified.insert(name);
   }
-  const double bytes = c.s.n == 1 ? layer_bytes(c.s) : 0.0;
+  const double bytes = c.s.n == 1 ? layer_bytes(c.s, c.kv) : 0.0;
   const double seconds =
       timed_loop(state, probe, reads_dram(probe, bytes), [&] { run(c.threads); });
   set_rate_counters(state, probe, impl.isa, c.threads, layer_flops(c.s), bytes, seconds);
   state.counters["kv_cache_bytes"] =
-      static_cast<double>(KvCache::bytes(c.config(), c.s.batch, c.s.past + c.s.n));
+      static_cast<double>(KvCache::bytes(c.config(), c.s.batch, c.s.past + c.s.n, c.kv));
 }
 
 void run_layer_peer(benchmark::State& state, PeerServer& server, const std::string& peer,
@@ -644,7 +677,7 @@ void run_layer_peer(benchmark::State& state, PeerServer& server, const std::stri
   t.y = d.y.data();
   std::fill(d.y.begin(), d.y.end(), std::nanf(""));
   std::string why;
-  const double bytes = s.n == 1 ? layer_bytes(s) : 0.0;
+  const double bytes = s.n == 1 ? layer_bytes(s, KvType::f32) : 0.0;
   const bool cold = reads_dram(probe, bytes);
   const double once =
       server.prepare_layer(peer, s, c.threads, t, &why, cold ? flush_bytes(probe) : 0);
@@ -726,10 +759,16 @@ void register_layer_benchmarks(const LayerBenchOptions& o) {
   register_family(
       o, layer_cases(o), impls,
       [](PeerServer& server, const std::string& peer, const LayerCase& c, std::string* why) {
+        if (c.kv != KvType::f32) {  // the peers' layers keep fp32 caches
+          *why = std::string("a ") + kv_type_name(c.kv) + " cache: " + peer + " keeps fp32";
+          return false;
+        }
         return server.supports_layer(peer, c.s, why);
       },
       run_layer_benchmark, run_layer_peer,
-      [](const LayerImpl&, const LayerCase&) { return false; });
+      [](const LayerImpl& impl, const LayerCase& c) {
+        return c.kv != KvType::f32 && !impl.kv_types;
+      });
 }
 
 }  // namespace mha::bench

@@ -10,7 +10,7 @@ Two more families measure what surrounds attention (bench/layer_bench.h):
 
 - ``gemm/<impl>/M:<m>/N:<n>/K:<k>/threads:<t>``: C = A B with a packed weight B, for the
   project's GEMM kernels, the libraries (openblas, onednn) and peer-torch-matmul;
-- ``layer/<impl>/B:<b>/d:<d>/H:<h>/Hkv:<hkv>/D:<D>/n:<n>/Lk:<lk>/causal:<c>/threads:<t>``:
+- ``layer/<impl>/B:<b>/d:<d>/H:<h>/Hkv:<hkv>/D:<D>/n:<n>/Lk:<lk>/causal:<c>[/kv:<type>]/threads:<t>``:
   the whole attention layer for n new tokens at Lk keys (n > 1: prefill; n = 1 after a
   cache: one decode step), the project's (named by its GEMM kernel), the composed baselines
   (``composed-*``) and peer-torch-layer.
@@ -47,7 +47,8 @@ GEMM_NAME = re.compile(
 LAYER_NAME = re.compile(
     r"^layer/(?P<impl>[^/]+)/B:(?P<batch>\d+)/d:(?P<d>\d+)/H:(?P<heads>\d+)"
     r"/Hkv:(?P<kv_heads>\d+)/D:(?P<dim>\d+)/n:(?P<new_tokens>\d+)/Lk:(?P<kv_len>\d+)"
-    r"/causal:(?P<causal>[01])/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
+    r"/causal:(?P<causal>[01])(?:/kv:(?P<kv>f16|bf16|i8))?/threads:(?P<threads>\d+)"
+    r"(?:/(?:real|manual)_time)?$")
 
 # The libraries the gemm family compares with (every other non-peer gemm is a kernel of
 # this project: portable, avx2, avx512, neon, ...).
@@ -136,6 +137,7 @@ class LayerShape:
     kv_len: int
     causal: bool
     threads: int
+    kv: str = "f32"  # the cache's element type ("/kv:<type>" unless f32)
 
     @property
     def step(self) -> str:
@@ -145,7 +147,7 @@ class LayerShape:
     def name(self, impl: str = "*") -> str:
         return (f"layer/{impl}/B:{self.batch}/d:{self.d}/H:{self.heads}/Hkv:{self.kv_heads}"
                 f"/D:{self.dim}/n:{self.new_tokens}/Lk:{self.kv_len}/causal:{int(self.causal)}"
-                f"/threads:{self.threads}")
+                f"{'' if self.kv == 'f32' else '/kv:' + self.kv}/threads:{self.threads}")
 
     def label(self, kv_heads: bool = True) -> str:
         """Short, for tables: 'd=4096 H=32 Hkv=8 D=128 n=2048 causal, 1 thread' (prefill) or
@@ -158,7 +160,8 @@ class LayerShape:
             tokens = f"n={self.new_tokens} Lk={self.kv_len}{' causal' if self.causal else ''}"
         batch = f"B={self.batch} " if self.batch != 1 else ""
         hkv = f" Hkv={self.kv_heads}" if kv_heads else ""
-        return (f"{batch}d={self.d} H={self.heads}{hkv} D={self.dim} {tokens}, "
+        kv = "" if self.kv == "f32" else f" KV {self.kv}"
+        return (f"{batch}d={self.d} H={self.heads}{hkv} D={self.dim} {tokens}{kv}, "
                 f"{_threads(self.threads)}")
 
 
@@ -327,9 +330,10 @@ def parse_name(name: str) -> tuple[AnyShape, str] | None:
         g = {k: int(v) for k, v in m.groupdict().items() if k != "impl"}
         return GemmShape(g["m"], g["n"], g["k"], g["threads"]), m["impl"]
     if m := LAYER_NAME.match(name):
-        g = {k: int(v) for k, v in m.groupdict().items() if k != "impl"}
+        g = {k: int(v) for k, v in m.groupdict().items() if k not in ("impl", "kv")}
         return LayerShape(g["batch"], g["d"], g["heads"], g["kv_heads"], g["dim"],
-                          g["new_tokens"], g["kv_len"], g["causal"] == 1, g["threads"]), m["impl"]
+                          g["new_tokens"], g["kv_len"], g["causal"] == 1, g["threads"],
+                          m["kv"] or "f32"), m["impl"]
     if m := NAME.match(name):
         g = m.groupdict()
         return Shape(g["family"], int(g["batch"]), int(g["heads"]), int(g["kv_heads"]),

@@ -221,7 +221,8 @@ def kv_head_groups(results: Results) -> list[list[LayerRow]]:
     for row in layer_rows(results):
         s = row.shape
         if s.step == "decode":
-            key = (s.batch, s.d, s.heads, s.dim, s.new_tokens, s.kv_len, s.causal, s.threads)
+            key = (s.batch, s.d, s.heads, s.dim, s.new_tokens, s.kv_len, s.causal, s.threads,
+                   s.kv)
             groups.setdefault(key, []).append(row)
     return [sorted(g, key=lambda r: -r.shape.kv_heads) for _, g in sorted(groups.items())
             if len({r.shape.kv_heads for r in g}) >= 2]

@@ -216,6 +216,28 @@ def test_mha_gqa_mqa_groups_decode_shapes_by_kv_heads(tmp_path: Path) -> None:
     assert (tmp_path / "layer_decode_vs_kv_heads.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_reduced_cache_is_a_layer_shape_of_its_own(tmp_path: Path) -> None:
+    name = "layer/avx512/B:1/d:4096/H:32/Hkv:8/D:128/n:1/Lk:8192/causal:1/kv:i8/threads:2"
+    shape, impl = res.parse_name(name + "/real_time")
+    assert impl == "avx512" and shape.kv == "i8" and shape.step == "decode"
+    assert shape.name("avx512") == name
+    assert shape.label() == "d=4096 H=32 Hkv=8 D=128 Lk=8192 KV i8, 2 threads"
+    fp32, _ = res.parse_name(name.replace("/kv:i8", ""))
+    assert fp32.kv == "f32" and fp32 != shape
+    assert res.parse_name(name.replace("kv:i8", "kv:f64")) is None
+    # Decode rows at another Hkv group with the fp32 rows only: the i8 row (the project's
+    # layer alone, no peer keeps an i8 cache) stays out of their MHA/GQA/MQA group.
+    data = synthetic()
+    data["benchmarks"].append(bench(layer_name("avx512", 8, 1, 8192).replace(
+        "/threads:", "/kv:i8/threads:"), 1.5, GFLOPS=1.0, peak_frac=0.01))
+    run = res.parse(data)
+    groups = stats.kv_head_groups(run)
+    assert len(groups) == 1 and all(r.shape.kv == "f32" for r in groups[0])
+    rows = [r for r in stats.layer_rows(run) if r.shape.kv == "i8"]
+    assert len(rows) == 1 and rows[0].layer.ms.median == pytest.approx(1.5)
+    assert rows[0].vs_peer is None
+
+
 def test_rounds_give_medians_ranges_and_paired_ratios() -> None:
     run = res.parse(synthetic(rounds=3))
     shape = res.GemmShape(2048, 1024, 1024, 1)
