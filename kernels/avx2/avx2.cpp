@@ -682,6 +682,165 @@ struct Avx2 {
       });
     }
   }
+
+  // ---- Decode in row groups over a reduced type (tiled_loops.h: decode_rows_kv) -------
+  // The query heads of a KV head at one query position see the same keys: in groups of R = 4
+  // or 2 rows each K and V vector is loaded and converted once for the R rows instead of once
+  // per row. S keeps R rows x 8 / R keys in the 8 accumulators sum_lanes8 finishes, P V
+  // R rows x 8 / R vectors of head_dim (registers: 8 accumulators, R q vectors or weights,
+  // one K or V vector). Only for a reduced type: fp32 decode converts nothing, and fp32 row
+  // blocks measured slower from DRAM (the note under "Decode" above).
+  static constexpr int kDecodeGroup = 4;  // rows per group at most
+
+  // Lane r (8 / R) + i: q_r . k_i for r < R and the NK <= 8 / R key rows k_i = k + i k_seq
+  // of type T (lanes of keys from NK on are 0), over head_dim = dim.
+  template <int R, int NK, mha::KvType T>
+  static __m256 dot_keys_group_kv(const float* const (&q)[R], const void* k, std::int64_t k_seq,
+                                  std::int64_t dim) {
+    constexpr int kGroupKeys = 8 / R;
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const auto* kb = static_cast<const unsigned char*>(k);
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (__m256& x : a) x = _mm256_setzero_ps();
+    std::int64_t d0 = 0;
+    for (; d0 + 8 <= dim; d0 += 8) {
+      __m256 qv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(q[r] + d0);
+#pragma GCC unroll 4
+      for (int i = 0; i < NK; ++i) {
+        const __m256 x = load_kv<T>(kb + i * k_seq * kBytes, d0);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          a[r * kGroupKeys + i] = _mm256_fmadd_ps(qv[r], x, a[r * kGroupKeys + i]);
+        }
+      }
+    }
+    if (d0 < dim) {
+      __m256 qv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) qv[r] = load_part(q[r] + d0, dim - d0);
+#pragma GCC unroll 4
+      for (int i = 0; i < NK; ++i) {
+        const __m256 x = load_kv_part<T>(kb + i * k_seq * kBytes, d0, dim - d0);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          a[r * kGroupKeys + i] = _mm256_fmadd_ps(qv[r], x, a[r * kGroupKeys + i]);
+        }
+      }
+    }
+    return sum_lanes8(a);
+  }
+
+  // decode_logits_kv for the R rows q[r]: row r's logits to w + r ldw (lanes up to 7 past
+  // cols may be written; ldw >= cols + 7), its maximum ignoring NaN to max[r]; after_step()
+  // once per 8 / R keys.
+  template <int R, mha::KvType T, class Step>
+  static MHA_ALWAYS_INLINE void decode_logits_group_kv(const float* const (&q)[R], const void* k,
+                                                       std::int64_t k_seq, const float* k_scale,
+                                                       std::int64_t k_scale_seq, std::int64_t cols,
+                                                       std::int64_t dim, float c, float* w,
+                                                       std::int64_t ldw, float (&max)[R],
+                                                       const Step& after_step) {
+    constexpr int kGroupKeys = 8 / R;
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const __m256 logit_scale = _mm256_set1_ps(c);
+    __m256 mv[R];
+    for (__m256& m : mv) m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kGroupKeys) {
+      const std::int64_t nk = std::min<std::int64_t>(kGroupKeys, cols - j0);
+      const void* key0 = static_cast<const unsigned char*>(k) + j0 * k_seq * kBytes;
+      __m256 dots;
+      mha::support::with_count<kGroupKeys>(nk, [&](auto count) {
+        dots = dot_keys_group_kv<R, decltype(count)::value, T>(q, key0, k_seq, dim);
+      });
+      after_step();
+      __m256 x = _mm256_mul_ps(dots, logit_scale);
+      if constexpr (T == mha::KvType::i8) {
+        alignas(32) float scale[8] = {};
+        for (std::int64_t i = 0; i < nk; ++i) {
+          for (int r = 0; r < R; ++r) scale[r * kGroupKeys + i] = k_scale[(j0 + i) * k_scale_seq];
+        }
+        x = _mm256_mul_ps(x, _mm256_load_ps(scale));
+      }
+      const __m256 valid = _mm256_castsi256_ps(first_lanes(nk));
+      for (int r = 0; r < R; ++r) {
+        // Row r's logits into lanes 0 .. nk - 1, stored whole: the next step's keys or the
+        // row's last 8 floats take the others.
+        const __m256 xr = _mm256_permutevar8x32_ps(
+            x, _mm256_add_epi32(_mm256_set1_epi32(r * kGroupKeys),
+                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        _mm256_storeu_ps(w + r * ldw + j0, xr);
+        mv[r] = _mm256_blendv_ps(mv[r], _mm256_max_ps(xr, mv[r]), valid);
+      }
+    }
+    for (int r = 0; r < R; ++r) max[r] = horizontal_max(mv[r]);  // no lane of mv is NaN
+  }
+
+  // acc[r] = alpha[r] acc[r] + sum_{j < cols} w[r][j] v_j for r < R, over NV vectors (the last
+  // one's lanes limited to `last` of them) of the rows v_j = v + j v_seq of type T.
+  template <int R, int NV, mha::KvType T>
+  static void add_weighted_rows_group_kv(const float* const (&w)[R], std::int64_t cols,
+                                         const void* v, std::int64_t v_seq, std::int64_t last,
+                                         float* const (&acc)[R], const float (&alpha)[R]) {
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    const auto* vb = static_cast<const unsigned char*>(v);
+    __m256 o[R][NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) o[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + 8 * c), a);
+    }
+    for (std::int64_t j = 0; j < cols; ++j) {
+      __m256 wj[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) wj[r] = _mm256_broadcast_ss(w[r] + j);
+      const unsigned char* row = vb + j * v_seq * kBytes;
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) {
+        const __m256 x =
+            c + 1 == NV && last < 8 ? load_kv_part<T>(row, 8 * c, last) : load_kv<T>(row, 8 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) o[r][c] = _mm256_fmadd_ps(wj[r], x, o[r][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc[r] + 8 * c, o[r][c]);
+    }
+  }
+
+  // decode_pv_kv for the R rows: weights w + r ldw, accumulators acc + r acc_stride (i8: w[r][j]
+  // becomes w[r][j] s_j first).
+  template <int R, mha::KvType T>
+  static MHA_ALWAYS_INLINE void decode_pv_group_kv(float* w, std::int64_t ldw, std::int64_t cols,
+                                                   const void* v, std::int64_t v_seq,
+                                                   const float* v_scale, std::int64_t v_scale_seq,
+                                                   std::int64_t dim, float* acc,
+                                                   std::int64_t acc_stride,
+                                                   const float (&alpha)[R]) {
+    constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
+    constexpr int kVectors = 8 / R;
+    if constexpr (T == mha::KvType::i8) {
+      for (int r = 0; r < R; ++r) scale_weights(w + r * ldw, cols, v_scale, v_scale_seq);
+    }
+    const float* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = w + r * ldw;
+    for (std::int64_t d0 = 0; d0 < dim; d0 += 8 * kVectors) {
+      const std::int64_t n = std::min<std::int64_t>(8 * kVectors, dim - d0);
+      float* out[R];
+      for (int r = 0; r < R; ++r) out[r] = acc + r * acc_stride + d0;
+      mha::support::with_count<kVectors>((n + 7) / 8, [&](auto vectors) {
+        constexpr int kCount = decltype(vectors)::value;
+        add_weighted_rows_group_kv<R, kCount, T>(rows, cols,
+                                                 static_cast<const unsigned char*>(v) + d0 * kBytes,
+                                                 v_seq, n - 8 * (kCount - 1), out, alpha);
+      });
+    }
+  }
 };
 
 using Loops = tiled::Loops<Avx2>;

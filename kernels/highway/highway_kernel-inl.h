@@ -423,6 +423,7 @@ struct Ops {
   static constexpr int kRows = HWY_NAMESPACE::kRows;
   static constexpr bool kWholeGroups = true;  // MHA_HWY_ROWS: a group computes all MR rows
   static constexpr bool kKvDecode = false;    // reduced K, V: the loops widen each tile
+  static constexpr int kDecodeGroup = 1;      // one decode row at a time
   static constexpr std::int64_t kDotKeys = HWY_NAMESPACE::kDotKeys;
   static std::int64_t lanes() { return Lanes(); }
   static std::int64_t panel() { return Panel(); }

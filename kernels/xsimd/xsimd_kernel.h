@@ -139,6 +139,7 @@ struct Attention {
   static constexpr std::int64_t kKeys = tiled::kKeys;  // Bc: keys per KV tile, S's row stride
   static constexpr std::int64_t kDotKeys = kWidth;     // keys per dot_keys call (one haddp)
   static constexpr bool kKvDecode = false;             // reduced K, V: the loops widen each tile
+  static constexpr int kDecodeGroup = 1;               // one decode row at a time
   static constexpr int kDotVectors = 4;                // q vectors in registers in dot_keys
   static constexpr int kPvVectors = 8;                 // O vectors per add_weighted_rows call
   static_assert(kKeys % kPanel == 0 && kWidth <= 64);

@@ -67,6 +67,13 @@
 //                          cols, v, v_seq, v_scale, v_scale_seq, dim, acc, alpha) (k and v
 //                          untyped, strides in elements of T, scales for i8; decode_pv_kv
 //                          may rewrite w); false: the loops widen each decode tile first
+//   kDecodeGroup           1, or (with kKvDecode) the most rows R (4 or 2) whose reduced-type
+//                          decode runs together, each K and V vector converted once for R:
+//                          decode_logits_group_kv<R, T>(q[R], k, k_seq, k_scale, k_scale_seq,
+//                          cols, dim, c, w, ldw, max[R], after_step) (row r's logits to w +
+//                          r ldw, up to W - 1 lanes past cols written; after_step() once per
+//                          W / R keys) and decode_pv_group_kv<R, T>(w, ldw, cols, v, v_seq,
+//                          v_scale, v_scale_seq, dim, acc, acc_stride, alpha[R])
 //
 // K and V stored as f16, bf16 or i8 (p.kv_type): each tile's rows are widened to fp32 into
 // a scratch tile (widen_rows, in loops the compiler vectorizes for the includer's ISA; the
@@ -416,7 +423,8 @@ struct Loops {
     std::int64_t tile_keys;  // keys per tile, a multiple of K::decode_step()
     std::int64_t dim_w;      // head_dim rounded up to W: an accumulator's length
     float* acc;              // [rows][dim_w]: O
-    float* weights;          // [tile_keys]: one row's logits, then its weights
+    std::int64_t ldw;        // tile_keys + W: a row of weights and a vector past its end
+    float* weights;          // [K::kDecodeGroup][ldw]: a row's (a group's) logits, then weights
     float* k_wide;           // [tile_keys][head_dim]: the tile's K widened (kv_type not f32)
     float* v_wide;           // [tile_keys][head_dim]: and its V
   };
@@ -427,7 +435,8 @@ struct Loops {
     s.tile_keys = mha::support::decode_tile_keys(p, K::decode_step());
     s.dim_w = mha::support::round_up(p.head_dim, K::lanes());
     s.acc = carve.take<float>(rows * s.dim_w);
-    s.weights = carve.take<float>(s.tile_keys);
+    s.ldw = s.tile_keys + K::lanes();
+    s.weights = carve.take<float>(K::kDecodeGroup * s.ldw);
     s.k_wide = s.v_wide = nullptr;
     if (p.kv_type != mha::KvType::f32) {
       s.k_wide = carve.take<float>(s.tile_keys * p.head_dim);
@@ -579,9 +588,10 @@ struct Loops {
             done += n;
           }
         };
-        for (std::int64_t t = 0; t < rows; ++t) {
+        // Block row t on its own.
+        const auto one_row = [&](std::int64_t t) {
           const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
-          if (cols == 0) continue;
+          if (cols == 0) return;
           float tile_max;
           if constexpr (K::kKvDecode) {
             tile_max = K::template decode_logits_kv<T>(block.q_row(p, q, t), k_tile, p.k.seq,
@@ -604,6 +614,53 @@ struct Loops {
           } else {
             K::decode_pv(s.weights, cols, s.v_wide, dim, dim, s.acc + t * s.dim_w, alpha);
           }
+        };
+        if constexpr (K::kKvDecode && K::kDecodeGroup > 1) {
+          // The R rows t0 + r q_len: query heads of the KV head at one query row, which see
+          // the same keys.
+          const auto group = [&](auto size, std::int64_t t0) {
+            constexpr int R = decltype(size)::value;
+            const std::int64_t cols = block.tile_keys_seen(p, t0, c0, keys);
+            if (cols == 0) return;
+            const float* qr[R];
+            for (int r = 0; r < R; ++r) qr[r] = block.q_row(p, q, t0 + r * p.q_len);
+            float tile_max[R], alpha[R];
+            K::template decode_logits_group_kv<R, T>(qr, k_tile, p.k.seq, k_scale, p.k_scale.seq,
+                                                     cols, dim, c, s.weights, s.ldw, tile_max,
+                                                     prefetch_step);
+            for (int r = 0; r < R; ++r) {
+              const std::int64_t t = t0 + r * p.q_len;
+              alpha[r] = 1.0f;
+              if (tile_max[r] > ms[t]) {
+                alpha[r] = std::exp2(ms[t] - tile_max[r]);  // 0 when the old max is -inf
+                ms[t] = tile_max[r];
+              }
+              const float sum =
+                  K::decode_weights(s.weights + r * s.ldw, cols, mha::support::logit_shift(ms[t]));
+              ls[t] = ls[t] * alpha[r] + sum;
+            }
+            K::template decode_pv_group_kv<R, T>(s.weights, s.ldw, cols, v_tile, p.v.seq, v_scale,
+                                                 p.v_scale.seq, dim, s.acc + t0 * s.dim_w,
+                                                 p.q_len * s.dim_w, alpha);
+          };
+          const std::int64_t heads = p.q_heads / p.kv_heads;
+          for (std::int64_t i = 0; i < p.q_len; ++i) {  // query row i
+            for (std::int64_t h0 = 0; h0 < heads;) {
+              const std::int64_t t0 = h0 * p.q_len + i;
+              if (heads - h0 >= 4 && K::kDecodeGroup >= 4) {
+                group(std::integral_constant<int, 4>{}, t0);
+                h0 += 4;
+              } else if (heads - h0 >= 2) {
+                group(std::integral_constant<int, 2>{}, t0);
+                h0 += 2;
+              } else {
+                one_row(t0);
+                h0 += 1;
+              }
+            }
+          }
+        } else {
+          for (std::int64_t t = 0; t < rows; ++t) one_row(t);
         }
       }
 
