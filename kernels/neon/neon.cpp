@@ -1,6 +1,6 @@
 // neon: multi-head attention with flash-attention tiling and an online softmax, in fp32,
-// with AArch64 NEON intrinsics. The algorithm of kernels/blocked/blocked.cpp; read that
-// file first.
+// over K and V of any KvType (f32, f16, bf16, i8), with AArch64 NEON intrinsics. The
+// algorithm of kernels/blocked/blocked.cpp; read that file first.
 //
 // Computes what mha/attention.h specifies: per query head h (reading KV head h / g,
 // g = q_heads / kv_heads), o = softmax(scale * q k^T + causal mask) v and lse = the log of
@@ -10,11 +10,12 @@
 //
 //   for each (batch, KV head, block of g x Br query rows):   for_each_block, start_block
 //     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped):
-//       pack K^T of the tile (4 x 4 transposes), zero-padded to      pack_k_transposed
-//         a multiple of 4 keys; all g heads share it
+//       pack K^T of the tile (4 x 4 transposes), widened to fp32,    pack_k_transposed
+//         zero-padded to a multiple of 4 keys; all g heads share it
 //       S = scale * Q K^T        microkernel 4 rows x 16 keys        tile_logits
 //       online softmax per row: running max m and sum l;             tile_softmax
 //         vectorized exp (neon_exp.h)
+//       a reduced V tile widened to fp32 rows in the workspace       widen_rows
 //       O += P V                 microkernel 4 rows x 16 columns     tile_pv
 //     o = O / l, lse = m + log(l)                                    finish_block
 //
@@ -26,14 +27,15 @@
 //       into L2 over the tile's work:
 //       for each row that sees a key of the tile, its keys only:
 //         S: 16 keys' dot products at once, K rows read in place     row_logits,
-//           (4-float vectors, q in registers); FADDP trees finish    dot_16_keys,
-//           4 accumulators at once                                   sum_lanes4
+//           and widened as loaded (4-float vectors, q in registers); dot_16_keys,
+//           FADDP trees finish 4 accumulators at once                sum_lanes4
 //         online softmax: m, alpha = exp(m_old - m), P = exp(S - m), l  row_softmax
 //         O = alpha O + P V, 16 vectors of head_dim in registers     row_pv,
-//           at a time, V rows read in place                          add_weighted_rows
+//           at a time, V rows read in place, widened as loaded       add_weighted_rows
 //     o = O / l, lse = m + log(l)                                    finish_row
 //
-// ISA: AArch64 Advanced SIMD (mandatory on AArch64, no extra compiler flags). Both
+// ISA: AArch64 Advanced SIMD (mandatory on AArch64, no extra compiler flags; the reduced
+// types' conversions are baseline instructions too, no FEAT_FP16 or BF16). Both
 // microkernels hold a 4 x 4 grid of 128-bit accumulators (16 of the 32 vector registers)
 // and multiply by lane (FMLA v.4s, v.4s, v.s[l]) so four rows' operands come from one
 // 4-float load each: 16 independent FMA chains cover 4 cycles of latency x up to 4 FMA
@@ -65,11 +67,27 @@
 // keys all of them see; each row then adds its own few extra keys alone), so NaN or Inf in
 // a masked V row never reaches a row. Tiles no row sees are skipped.
 //
+// K and V of a reduced type (Problem::kv_type, mha/attention.h and mha/kv_types.h), read
+// once per tile in their own type and never expanded as a whole: 4 elements at a time,
+// f16 by FCVTL, bf16 by a 16-bit left shift (SHLL), i8 by sign extension (SXTL twice) and
+// SCVTF (load_kv), all exact. Prefill widens K while it packs K^T (it copies K anyway) and
+// a V tile into an fp32 tile in the workspace (widen_rows), an i8 element times its row's
+// scale there (q s, one rounding): its P V runs over the tile once per 4-row block, R / 4
+// times (28 in the workspace example below), so one conversion per tile beats one in
+// every block's loads, and the microkernels stay the fp32 ones. A cache of values its type
+// holds exactly thus gives the fp32 output bits. Decode widens as it loads instead
+// (dot_16_keys, add_weighted_row): its few rows read each K and V element once or a few
+// times, so a widened copy would be a pass of its own, which on x86 cost much of what the
+// smaller cache saves (DESIGN.md, K and V types). There an i8 key's scale multiplies its
+// finished logit and an i8 value row's its weight, one rounding each (tolerance.h, step
+// 6), as avx512's decode does; f16 and bf16 give the fp32 bits there too. The whole path
+// is a template over the type (prefill, decode_rows), chosen once per call.
+//
 // Tails: key counts, rows and head_dim of any size. Scratch tiles (K^T, S, weights,
 // accumulators) are padded to multiples of 4 floats so the microkernels use whole vectors
 // there; tensor memory is only touched with whole vectors that lie inside a row
-// (d + 4 <= head_dim) and lane by lane (load_partial) or scalar for the last head_dim % 4
-// elements.
+// (d + 4 <= head_dim) and lane by lane (load_partial, load_kv_partial) or scalar for the
+// last head_dim % 4 elements. An i8 row's scale is read only for keys the code reads.
 //
 // Layout: any strides mha::check accepts (token-major, head-major, padded, stride 0,
 // shared inputs); no alignment assumed (vld1q/vst1q are unaligned-safe). Reads only
@@ -81,15 +99,17 @@
 // mha::support::decode_tile_keys(p, 16) keys, a multiple of 16 whose K and V rows fill two
 // thirds of L1d, so that a tile's later rows read it from L1 (mha/support.h gives the
 // reasoning). D = 128: Bc = 32 keys and Bd = 16 with a 32 KiB L1d, 48 and 32 with 48 KiB,
-// 64 and 32 with 64 KiB.
+// 64 and 32 with 64 KiB. Both are sized for fp32 rows: a reduced type's decode tile takes
+// half (f16, bf16) or a quarter (i8) of that room.
 //
 // Workspace (the caller's; mha_f32_attention_neon_workspace gives its size), in floats
 // (Bc4, D4 = Bc, D rounded up to 4). Prefill: D x Bc4 (K^T) + R x Bc4 (scores) + R x D4
 // (accumulators) + 2 R, R = g x Br: about 87 KiB at D = 128, g = 4 with 32 KiB L1d and
-// 512 KiB L2 (Bc = 32, R = 112). Decode: rows x D4 (accumulators) + Bd (one row's logits,
-// then weights), under 4 KiB at D = 128. A prefill workspace is at least the largest
-// decode's (7 rows of the same head_dim), so the size never shrinks as q_len grows across
-// the threshold (at head_dim 1, 7 decode rows need more than an 8-row prefill block).
+// 512 KiB L2 (Bc = 32, R = 112); + Bc x D4 (the widened V tile, 16 KiB there) when
+// kv_type is not f32. Decode, for every type: rows x D4 (accumulators) + Bd (one row's
+// logits, then weights), under 4 KiB at D = 128. A prefill workspace is at least the
+// largest decode's (7 rows of the same head_dim), so the size never shrinks as q_len grows
+// across the threshold (at head_dim 1, 7 decode rows need more than an 8-row prefill block).
 //
 // Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
 // so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
@@ -102,6 +122,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -137,6 +158,108 @@ std::int64_t round_up4(std::int64_t n) { return mha::support::round_up(n, 4); }
   return r;
 }
 
+// K and V of type T (Problem::kv_type) are stored as Elem<T>: floats, the 16 bits of an
+// f16 or a bf16, or an i8's integers (each row's value q s with its fp32 scale s).
+template <mha::KvType T>
+using Elem =
+    std::conditional_t<T == mha::KvType::f32, float,
+                       std::conditional_t<T == mha::KvType::i8, std::int8_t, std::uint16_t>>;
+
+// The low 4 of 8 signed bytes as floats, exactly: sign extension (SXTL twice) and SCVTF.
+[[gnu::always_inline]] inline float32x4_t widen_i8(int8x8_t x) {
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(x))));
+}
+
+// 4 f16 or bf16 bit patterns as floats, exactly: f16 by FCVTL, bf16 by a 16-bit left shift
+// (SHLL: a bf16 is the top half of an fp32).
+template <mha::KvType T>
+[[gnu::always_inline]] inline float32x4_t widen_16(uint16x4_t x) {
+  if constexpr (T == mha::KvType::f16) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(x));
+  } else {
+    static_assert(T == mha::KvType::bf16);
+    return vreinterpretq_f32_u32(vshll_n_u16(x, 16));
+  }
+}
+
+// x[0 .. 4) of a K or V row of type T as floats, exactly (an i8 row's scale is the
+// caller's to apply).
+template <mha::KvType T>
+[[gnu::always_inline]] inline float32x4_t load_kv(const Elem<T>* x) {
+  if constexpr (T == mha::KvType::f32) {
+    return vld1q_f32(x);
+  } else if constexpr (T == mha::KvType::i8) {
+    std::int32_t bytes;  // 4 bytes, unaligned: one LDR
+    std::memcpy(&bytes, x, sizeof bytes);
+    return widen_i8(vreinterpret_s8_s32(vdup_n_s32(bytes)));
+  } else {
+    return widen_16<T>(vld1_u16(x));
+  }
+}
+
+// load_kv of the first n (1..3) elements of x in the low lanes, zeros above (0 widens to
+// +0 in every type): never reads x[n].
+template <mha::KvType T>
+[[gnu::always_inline]] inline float32x4_t load_kv_partial(const Elem<T>* x, std::int64_t n) {
+  if constexpr (T == mha::KvType::f32) {
+    return load_partial(x, n);
+  } else if constexpr (T == mha::KvType::i8) {
+    int8x8_t r = vdup_n_s8(0);
+    r = vld1_lane_s8(x, r, 0);
+    if (n > 1) r = vld1_lane_s8(x + 1, r, 1);
+    if (n > 2) r = vld1_lane_s8(x + 2, r, 2);
+    return widen_i8(r);
+  } else {
+    uint16x4_t r = vdup_n_u16(0);
+    r = vld1_lane_u16(x, r, 0);
+    if (n > 1) r = vld1_lane_u16(x + 1, r, 1);
+    if (n > 2) r = vld1_lane_u16(x + 2, r, 2);
+    return widen_16<T>(r);
+  }
+}
+
+// Widened i8 elements times their row's scale, one rounding: the values q s, the bits of
+// mha::kv::value_at. The other types' values are the widened elements themselves.
+template <mha::KvType T>
+[[gnu::always_inline]] inline float32x4_t scaled(float32x4_t x, float scale) {
+  if constexpr (T == mha::KvType::i8) {
+    return vmulq_n_f32(x, scale);
+  } else {
+    return x;
+  }
+}
+
+// The value of element x[0] of a row of type T (i8: times the row's `scale`).
+template <mha::KvType T>
+float kv_value(const Elem<T>* x, float scale) {
+  if constexpr (T == mha::KvType::f32) {
+    return *x;
+  } else {
+    return vgetq_lane_f32(scaled<T>(load_kv_partial<T>(x, 1), scale), 0);
+  }
+}
+
+// The i8 scales of rows j, j + 1, ... of a KV head whose row 0's scale is at `scales`, `seq`
+// apart; null for the other types, whose scale pointers and strides are never read.
+template <mha::KvType T>
+const float* scales_from(const float* scales, std::int64_t j, std::int64_t seq) {
+  if constexpr (T == mha::KvType::i8) {
+    return scales + j * seq;
+  } else {
+    return nullptr;
+  }
+}
+
+// Row j's scale of `scales_from`'s scales: i8's, 1 (unread) for the other types.
+template <mha::KvType T>
+float row_scale(const float* scales, std::int64_t j, std::int64_t seq) {
+  if constexpr (T == mha::KvType::i8) {
+    return scales[j * seq];
+  } else {
+    return 1.0f;
+  }
+}
+
 // acc[r][c] += b[c] * a[r][L]: the microkernels' FMA step, lane L a compile-time constant.
 template <int MR, int NV, int L>
 inline void fma_lane(float32x4_t (&acc)[MR][NV], const float32x4_t (&b)[NV],
@@ -146,20 +269,30 @@ inline void fma_lane(float32x4_t (&acc)[MR][NV], const float32x4_t (&b)[NV],
   }
 }
 
-// kt[d][j] = k[j][d] for j < cols, and 0 for cols <= j < round_up4(cols).
+// kt[d][j] = k[j][d] for j < cols, and 0 for cols <= j < round_up4(cols), widened from
+// type T as the rows are read (i8: times row j's scale, scales[j scale_seq]): the values
+// an fp32 K of those values would pack, bit for bit.
 // k: [cols][head_dim], row stride k_seq   kt: [head_dim][ld]
-void pack_k_transposed(const float* k, std::int64_t k_seq, std::int64_t cols, std::int64_t head_dim,
-                       float* kt, std::int64_t ld) {
+template <mha::KvType T>
+void pack_k_transposed(const Elem<T>* k, std::int64_t k_seq, const float* scales,
+                       std::int64_t scale_seq, std::int64_t cols, std::int64_t head_dim, float* kt,
+                       std::int64_t ld) {
   std::int64_t j0 = 0;
   for (; j0 + 4 <= cols; j0 += 4) {
-    const float* k0 = k + j0 * k_seq;
-    const float* k1 = k0 + k_seq;
-    const float* k2 = k1 + k_seq;
-    const float* k3 = k2 + k_seq;
+    const Elem<T>* k0 = k + j0 * k_seq;
+    const Elem<T>* k1 = k0 + k_seq;
+    const Elem<T>* k2 = k1 + k_seq;
+    const Elem<T>* k3 = k2 + k_seq;
+    const float s0 = row_scale<T>(scales, j0, scale_seq);
+    const float s1 = row_scale<T>(scales, j0 + 1, scale_seq);
+    const float s2 = row_scale<T>(scales, j0 + 2, scale_seq);
+    const float s3 = row_scale<T>(scales, j0 + 3, scale_seq);
     std::int64_t d = 0;
     for (; d + 4 <= head_dim; d += 4) {  // a 4 x 4 transpose in registers
-      const float32x4_t r0 = vld1q_f32(k0 + d), r1 = vld1q_f32(k1 + d);
-      const float32x4_t r2 = vld1q_f32(k2 + d), r3 = vld1q_f32(k3 + d);
+      const float32x4_t r0 = scaled<T>(load_kv<T>(k0 + d), s0);
+      const float32x4_t r1 = scaled<T>(load_kv<T>(k1 + d), s1);
+      const float32x4_t r2 = scaled<T>(load_kv<T>(k2 + d), s2);
+      const float32x4_t r3 = scaled<T>(load_kv<T>(k3 + d), s3);
       const float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(r0, r1));  // 00 10 02 12
       const float64x2_t t1 = vreinterpretq_f64_f32(vtrn2q_f32(r0, r1));  // 01 11 03 13
       const float64x2_t t2 = vreinterpretq_f64_f32(vtrn1q_f32(r2, r3));  // 20 30 22 32
@@ -172,15 +305,37 @@ void pack_k_transposed(const float* k, std::int64_t k_seq, std::int64_t cols, st
     }
     for (; d < head_dim; ++d) {
       float* out = kt + d * ld + j0;
-      out[0] = k0[d];
-      out[1] = k1[d];
-      out[2] = k2[d];
-      out[3] = k3[d];
+      out[0] = kv_value<T>(k0 + d, s0);
+      out[1] = kv_value<T>(k1 + d, s1);
+      out[2] = kv_value<T>(k2 + d, s2);
+      out[3] = kv_value<T>(k3 + d, s3);
     }
   }
   const std::int64_t padded = round_up4(cols);
-  for (std::int64_t d = 0; d < head_dim; ++d) {
-    for (std::int64_t j = j0; j < padded; ++j) kt[d * ld + j] = j < cols ? k[j * k_seq + d] : 0.0f;
+  for (std::int64_t j = j0; j < padded; ++j) {
+    if (j < cols) {
+      const float s = row_scale<T>(scales, j, scale_seq);
+      for (std::int64_t d = 0; d < head_dim; ++d)
+        kt[d * ld + j] = kv_value<T>(k + j * k_seq + d, s);
+    } else {
+      for (std::int64_t d = 0; d < head_dim; ++d) kt[d * ld + j] = 0.0f;
+    }
+  }
+}
+
+// Rows [0, keys) of a V tile of type T (head_dim elements each, `seq` apart; i8: times row
+// j's scale, scales[j scale_seq], one rounding) widened into `out`, rows ld floats apart:
+// prefill's P V then reads fp32 rows holding the values an fp32 V would, bit for bit.
+template <mha::KvType T>
+void widen_rows(const Elem<T>* in, std::int64_t seq, const float* scales, std::int64_t scale_seq,
+                std::int64_t keys, std::int64_t head_dim, float* out, std::int64_t ld) {
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const Elem<T>* row = in + j * seq;
+    float* to = out + j * ld;
+    const float s = row_scale<T>(scales, j, scale_seq);
+    std::int64_t d = 0;
+    for (; d + 4 <= head_dim; d += 4) vst1q_f32(to + d, scaled<T>(load_kv<T>(row + d), s));
+    for (; d < head_dim; ++d) to[d] = kv_value<T>(row + d, s);
   }
 }
 
@@ -356,11 +511,12 @@ void finish_row(const float* acc, float m, float l, std::int64_t visible, std::i
 // rounded up to 4 (accumulators).
 struct Scratch {
   std::int64_t ld, ld_acc;
-  float* kt;   // [head_dim][ld]: the K^T tile
-  float* s;    // [R][ld]: the block's logits, then its weights
-  float* acc;  // [R][ld_acc]: the block's O accumulators
-  float* m;    // [R]: running maxima
-  float* l;    // [R]: running sums
+  float* kt;    // [head_dim][ld]: the K^T tile
+  float* s;     // [R][ld]: the block's logits, then its weights
+  float* acc;   // [R][ld_acc]: the block's O accumulators
+  float* m;     // [R]: running maxima
+  float* l;     // [R]: running sums
+  float* wide;  // [Bc][ld_acc]: the V tile widened to fp32 (kv_type not f32; else null)
 };
 
 Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
@@ -373,6 +529,7 @@ Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
   s.acc = carve.take<float>(rows * s.ld_acc);
   s.m = carve.take<float>(rows);
   s.l = carve.take<float>(rows);
+  s.wide = p.kv_type == mha::KvType::f32 ? nullptr : carve.take<float>(tiling.keys * s.ld_acc);
   return s;
 }
 
@@ -417,9 +574,9 @@ void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, c
 
 // O += P V, kRows block rows at a time: keys every row of the group sees through the
 // nr-row microkernel; a row's keys past those (the causal diagonal) through a one-row pass
-// of its own. v_tile: the tile's first V row.
+// of its own. v_tile: the tile's first V row, rows v_seq apart.
 void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
-             const Scratch& s) {
+             std::int64_t v_seq, const Scratch& s) {
   for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
     const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
     std::int64_t shared = tile.keys;
@@ -429,12 +586,12 @@ void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const 
     const float* p_rows = s.s + t0 * s.ld;
     float* acc_rows = s.acc + t0 * s.ld_acc;
     mha::support::with_count<kRows>(nr, [&](auto rows) {
-      pv_rows<decltype(rows)::value>(p_rows, s.ld, shared, v_tile, p.v.seq, p.head_dim, acc_rows,
+      pv_rows<decltype(rows)::value>(p_rows, s.ld, shared, v_tile, v_seq, p.head_dim, acc_rows,
                                      s.ld_acc);
     });
     for (std::int64_t r = 0; r < nr; ++r) {
       const std::int64_t extra = block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys) - shared;
-      pv_rows<1>(p_rows + r * s.ld + shared, s.ld, extra, v_tile + shared * p.v.seq, p.v.seq,
+      pv_rows<1>(p_rows + r * s.ld + shared, s.ld, extra, v_tile + shared * v_seq, v_seq,
                  p.head_dim, acc_rows + r * s.ld_acc, s.ld_acc);
     }
   }
@@ -459,23 +616,25 @@ bool decodes(const mha::Problem& p) { return p.q_heads / p.kv_heads * p.q_len < 
 // every few microkernel steps (the avx512 kernel measured prefetches spread this way at
 // three times the bandwidth of the hardware prefetchers alone in decode, and bursts no
 // better). Into L2 (PRFM PLDL2KEEP), not L1: the next tile would evict the current one from
-// L1, where the tile's other rows read it. A row's points are elements 0, 16, 32, ... and its
-// last element, at most 64 bytes apart, so every line holding an element of the row is
+// L1, where the tile's other rows read it. A row's points are its bytes 0, 64, 128, ... and
+// its last element's, at most 64 bytes apart, so every line holding an element of the row is
 // touched whatever the row's alignment, and nothing else is; prefetches never fault.
 class Prefetch {
  public:
-  // Rows k[first + j], v[first + j] for j < keys (head_dim floats each; k, v the KV head's
-  // row 0), spread over `steps` step()s: a point of each every few steps, or a few every step.
-  Prefetch(const float* k, std::int64_t k_seq, const float* v, std::int64_t v_seq,
-           std::int64_t first, std::int64_t keys, std::int64_t head_dim, std::int64_t steps)
-      : k_(k),
-        v_(v),
-        k_seq_(k_seq),
-        v_seq_(v_seq),
+  // Rows k[first + j], v[first + j] for j < keys (head_dim elements of `bytes` bytes each,
+  // k_seq and v_seq elements apart; k, v the KV head's row 0), spread over `steps` step()s:
+  // a point of each every few steps, or a few every step. A stride is scaled to bytes only
+  // when a second row uses it (check() bounds a stride only by the rows that use it).
+  Prefetch(const void* k, std::int64_t k_seq, const void* v, std::int64_t v_seq, std::int64_t first,
+           std::int64_t keys, std::int64_t head_dim, std::int64_t bytes, std::int64_t steps)
+      : k_(static_cast<const unsigned char*>(k)),
+        v_(static_cast<const unsigned char*>(v)),
+        k_seq_(keys > 0 && first + keys > 1 ? k_seq * bytes : 0),
+        v_seq_(keys > 0 && first + keys > 1 ? v_seq * bytes : 0),
         first_(first),
         keys_(keys),
-        last_(head_dim - 1),
-        points_(mha::support::ceil_div(head_dim - 1, 16) + 1) {
+        last_((head_dim - 1) * bytes),
+        points_(mha::support::ceil_div(last_, 64) + 1) {
     const std::int64_t total = std::max<std::int64_t>(1, keys * points_);
     steps = std::max<std::int64_t>(1, steps);
     every_ = std::max<std::int64_t>(1, steps / total);
@@ -488,9 +647,9 @@ class Prefetch {
     if (key_ == keys_ || ++tick_ < every_) return;
     tick_ = 0;
     for (std::int64_t n = 0; n < per_step_ && key_ < keys_; ++n) {
-      const std::int64_t d = std::min(16 * point_, last_);
-      __builtin_prefetch(k_ + (first_ + key_) * k_seq_ + d, 0, 2);
-      __builtin_prefetch(v_ + (first_ + key_) * v_seq_ + d, 0, 2);
+      const std::int64_t at = std::min(64 * point_, last_);
+      __builtin_prefetch(k_ + (first_ + key_) * k_seq_ + at, 0, 2);
+      __builtin_prefetch(v_ + (first_ + key_) * v_seq_ + at, 0, 2);
       if (++point_ == points_) {
         point_ = 0;
         ++key_;
@@ -503,8 +662,8 @@ class Prefetch {
   }
 
  private:
-  const float* k_;
-  const float* v_;
+  const unsigned char* k_;
+  const unsigned char* v_;
   std::int64_t k_seq_, v_seq_, first_, keys_, last_, points_;
   std::int64_t every_ = 1, per_step_ = 1, key_ = 0, point_ = 0, tick_ = 0;
 };
@@ -524,19 +683,19 @@ void with_slice(std::int64_t cols, F&& f) {
   });
 }
 
-// Vector c of NV of a row slice: whole, or for the last one with kPartial its first `tail`
-// (1..3) floats, zeros above.
-template <int NV, bool kPartial>
-[[gnu::always_inline]] inline float32x4_t load_slice(const float* x, int c, std::int64_t tail) {
-  return kPartial && c + 1 == NV ? load_partial(x + 4 * c, tail) : vld1q_f32(x + 4 * c);
+// Vector c of NV of a row slice of type T (q's: f32), widened as it is loaded: whole, or for
+// the last one with kPartial its first `tail` (1..3) elements, zeros above.
+template <int NV, bool kPartial, mha::KvType T = mha::KvType::f32>
+[[gnu::always_inline]] inline float32x4_t load_slice(const Elem<T>* x, int c, std::int64_t tail) {
+  return kPartial && c + 1 == NV ? load_kv_partial<T>(x + 4 * c, tail) : load_kv<T>(x + 4 * c);
 }
 
 // a[i] += q[0 .. 4 NV) * k_i[0 .. 4 NV) lane by lane for the first nk <= 16 of the key rows
 // k_i = k + i k_seq, q held in NV registers: decode's S step over one slice of head_dim
 // (tail: see load_slice; the zeros of q and k meet, so the lanes past head_dim add 0).
-// 16 keys, 16 independent FMA chains.
-template <int NV, bool kPartial>
-[[gnu::always_inline]] inline void dot_16_keys(const float* q, const float* k, std::int64_t k_seq,
+// 16 keys, 16 independent FMA chains. K of type T, widened as it is loaded (i8: unscaled).
+template <int NV, bool kPartial, mha::KvType T>
+[[gnu::always_inline]] inline void dot_16_keys(const float* q, const Elem<T>* k, std::int64_t k_seq,
                                                std::int64_t nk, std::int64_t tail,
                                                float32x4_t (&a)[kDecodeKeys]) {
   float32x4_t qv[NV];
@@ -545,11 +704,11 @@ template <int NV, bool kPartial>
 #pragma GCC unroll 16
   for (int i = 0; i < kDecodeKeys; ++i) {
     if (i >= nk) break;
-    const float* key = k + i * k_seq;
+    const Elem<T>* key = k + i * k_seq;
     float32x4_t dot = a[i];
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c)
-      dot = vfmaq_f32(dot, qv[c], load_slice<NV, kPartial>(key, c, tail));
+      dot = vfmaq_f32(dot, qv[c], load_slice<NV, kPartial, T>(key, c, tail));
     a[i] = dot;
   }
 }
@@ -567,13 +726,15 @@ inline uint32x4_t first_lanes(std::int64_t j0, std::int64_t n) {
                    vdupq_n_s32(static_cast<std::int32_t>(std::clamp<std::int64_t>(n - j0, 0, 4))));
 }
 
-// o[c] += v_row[c] x wv[L] for NV vectors: one key of add_weighted_rows.
-template <int NV, bool kPartial, int L>
-[[gnu::always_inline]] inline void add_weighted_row(float32x4_t (&o)[NV], const float* row,
+// o[c] += v_row[c] x wv[L] for NV vectors: one key of add_weighted_rows (V of type T,
+// widened as it is loaded; i8: unscaled, its scale is in the weight).
+template <int NV, bool kPartial, int L, mha::KvType T>
+[[gnu::always_inline]] inline void add_weighted_row(float32x4_t (&o)[NV], const Elem<T>* row,
                                                     float32x4_t wv, std::int64_t tail) {
 #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) {
-    o[c] = vfmaq_laneq_f32(o[c], load_slice<NV, kPartial>(row, c, tail), wv, L);
+    const float32x4_t x = load_slice<NV, kPartial, T>(row, c, tail);  // clang: not in a macro
+    o[c] = vfmaq_laneq_f32(o[c], x, wv, L);
   }
 }
 
@@ -582,8 +743,8 @@ template <int NV, bool kPartial, int L>
 // decode's P V step for one row and one slice of head_dim. w is read 4 keys per load and
 // used by lane. NV independent FMA chains.
 // w: [>= round_up4(cols)] (scratch)   acc: [4 NV] (scratch)
-template <int NV, bool kPartial>
-void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
+template <int NV, bool kPartial, mha::KvType T>
+void add_weighted_rows(const float* w, std::int64_t cols, const Elem<T>* v, std::int64_t v_seq,
                        std::int64_t tail, float* acc, float alpha, Prefetch& prefetch) {
   float32x4_t o[NV];
 #pragma GCC unroll 16
@@ -591,28 +752,28 @@ void add_weighted_rows(const float* w, std::int64_t cols, const float* v, std::i
   std::int64_t j = 0;
   for (; j + 4 <= cols; j += 4) {
     const float32x4_t wv = vld1q_f32(w + j);
-    const float* row = v + j * v_seq;
+    const Elem<T>* row = v + j * v_seq;
     prefetch.step();
-    add_weighted_row<NV, kPartial, 0>(o, row, wv, tail);
+    add_weighted_row<NV, kPartial, 0, T>(o, row, wv, tail);
     prefetch.step();
-    add_weighted_row<NV, kPartial, 1>(o, row + v_seq, wv, tail);
+    add_weighted_row<NV, kPartial, 1, T>(o, row + v_seq, wv, tail);
     prefetch.step();
-    add_weighted_row<NV, kPartial, 2>(o, row + 2 * v_seq, wv, tail);
+    add_weighted_row<NV, kPartial, 2, T>(o, row + 2 * v_seq, wv, tail);
     prefetch.step();
-    add_weighted_row<NV, kPartial, 3>(o, row + 3 * v_seq, wv, tail);
+    add_weighted_row<NV, kPartial, 3, T>(o, row + 3 * v_seq, wv, tail);
   }
   if (j < cols) {  // 1-3 keys; w's lanes past cols are not used
     const float32x4_t wv = vld1q_f32(w + j);
-    const float* row = v + j * v_seq;
+    const Elem<T>* row = v + j * v_seq;
     prefetch.step();
-    add_weighted_row<NV, kPartial, 0>(o, row, wv, tail);
+    add_weighted_row<NV, kPartial, 0, T>(o, row, wv, tail);
     if (j + 1 < cols) {
       prefetch.step();
-      add_weighted_row<NV, kPartial, 1>(o, row + v_seq, wv, tail);
+      add_weighted_row<NV, kPartial, 1, T>(o, row + v_seq, wv, tail);
     }
     if (j + 2 < cols) {
       prefetch.step();
-      add_weighted_row<NV, kPartial, 2>(o, row + 2 * v_seq, wv, tail);
+      add_weighted_row<NV, kPartial, 2, T>(o, row + 2 * v_seq, wv, tail);
     }
   }
 #pragma GCC unroll 16
@@ -639,28 +800,39 @@ DecodeScratch carve_decode(const mha::Problem& p, Carve& carve) {
 
 // Decode's phases for one row and one tile, in the order the file's header lists them.
 
-// logits[j] = scale q . k_j for the row's `cols` keys k_j = k + j k_seq, 16 keys at a time
-// over slices of 4 kDecodeQVectors columns; returns their max (NaN logits ignored, -inf if
-// all are NaN or -inf). logits: [round_up(cols, 16)], lanes past cols hold 0 x scale.
-float row_logits(const float* q, const float* k, std::int64_t k_seq, std::int64_t cols,
-                 std::int64_t head_dim, float scale, float* logits, Prefetch& prefetch) {
+// logits[j] = scale q . k_j for the row's `cols` keys k_j = k + j k_seq (of type T, widened
+// as they are loaded; i8: (scale q . k_j) s_j, the key's scale s_j = k_scales[j scale_seq]
+// on the finished logit), 16 keys at a time over slices of 4 kDecodeQVectors columns;
+// returns their max (NaN logits ignored, -inf if all are NaN or -inf).
+// logits: [round_up(cols, 16)], lanes past cols hold 0 x scale.
+template <mha::KvType T>
+float row_logits(const float* q, const Elem<T>* k, std::int64_t k_seq, const float* k_scales,
+                 std::int64_t scale_seq, std::int64_t cols, std::int64_t head_dim, float scale,
+                 float* logits, Prefetch& prefetch) {
   const std::int64_t tail = head_dim % 4;
   const float32x4_t neg_inf = vdupq_n_f32(-std::numeric_limits<float>::infinity());
   float32x4_t mv = neg_inf;
   for (std::int64_t j0 = 0; j0 < cols; j0 += kDecodeKeys) {
     const std::int64_t nk = std::min(kDecodeKeys, cols - j0);
-    const float* keys = k + j0 * k_seq;
+    const Elem<T>* keys = k + j0 * k_seq;
     float32x4_t a[kDecodeKeys];
     for (auto& x : a) x = vdupq_n_f32(0.0f);
     for (std::int64_t d0 = 0; d0 < head_dim; d0 += 4 * kDecodeQVectors) {
       with_slice<kDecodeQVectors>(head_dim - d0, [&](auto vectors, auto partial) {
-        dot_16_keys<decltype(vectors)::value, decltype(partial)::value>(q + d0, keys + d0, k_seq,
-                                                                        nk, tail, a);
+        dot_16_keys<decltype(vectors)::value, decltype(partial)::value, T>(q + d0, keys + d0, k_seq,
+                                                                           nk, tail, a);
       });
       prefetch.step();
     }
     for (int i = 0; i < kDecodeKeys; i += 4) {
-      const float32x4_t s = vmulq_n_f32(sum_lanes4(a[i], a[i + 1], a[i + 2], a[i + 3]), scale);
+      float32x4_t s = vmulq_n_f32(sum_lanes4(a[i], a[i + 1], a[i + 2], a[i + 3]), scale);
+      if constexpr (T == mha::KvType::i8) {  // only the scales of the row's keys are read
+        float key_scales[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+        for (std::int64_t u = 0; u < 4 && i + u < nk; ++u) {
+          key_scales[u] = k_scales[(j0 + i + u) * scale_seq];
+        }
+        s = vmulq_f32(s, vld1q_f32(key_scales));
+      }
       vst1q_f32(logits + j0 + i, s);
       // `>` (FCMGT) is false for NaN, so NaN logits stay out of the max, as in
       // online_softmax; lanes past the row's keys compare as -inf.
@@ -693,21 +865,27 @@ float row_softmax(float* logits, std::int64_t cols, float tile_max, float* m, fl
   return alpha;
 }
 
-// O = alpha O + sum_{j < cols} w[j] v_j for one row, slices of 4 kDecodeOVectors columns.
-void row_pv(const float* w, std::int64_t cols, const float* v, std::int64_t v_seq,
+// O = alpha O + sum_{j < cols} w[j] v_j for one row, slices of 4 kDecodeOVectors columns
+// (V of type T, widened as it is loaded; for i8 w[j] already holds the row's scale).
+template <mha::KvType T>
+void row_pv(const float* w, std::int64_t cols, const Elem<T>* v, std::int64_t v_seq,
             std::int64_t head_dim, float alpha, float* acc, Prefetch& prefetch) {
   const std::int64_t tail = head_dim % 4;
   for (std::int64_t d0 = 0; d0 < head_dim; d0 += 4 * kDecodeOVectors) {
     with_slice<kDecodeOVectors>(head_dim - d0, [&](auto vectors, auto partial) {
-      add_weighted_rows<decltype(vectors)::value, decltype(partial)::value>(
+      add_weighted_rows<decltype(vectors)::value, decltype(partial)::value, T>(
           w, cols, v + d0, v_seq, tail, acc + d0, alpha, prefetch);
     });
   }
 }
 
 // The decode path: every (batch, KV head) is one block of its g x q_len rows, all of which
-// read each KV tile while it is in L1, each over the keys it sees.
-void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v, float* o,
+// read each KV tile while it is in L1, each over the keys it sees. K and V of type T, read
+// in place and widened as they are loaded; an i8 key's scale multiplies its finished logit
+// and an i8 value row's its weight (after the row's sum l), one rounding each, as
+// tolerance.h's step 6 allows.
+template <mha::KvType T>
+void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
                  float* lse, mha::Workspace ws) {
   Carve workspace(ws.data);
   const DecodeScratch s = carve_decode(p, workspace);
@@ -723,25 +901,33 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
     std::fill(m, m + block.rows, -std::numeric_limits<float>::infinity());
     std::fill(l, l + block.rows, 0.0f);
     std::fill(s.acc, s.acc + block.rows * s.ld_acc, 0.0f);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
+    const mha::KvView k_row0 = mha::kv_row(k, T, p.k, p.k_scale, block.batch, 0, block.kv_head);
+    const mha::KvView v_row0 = mha::kv_row(v, T, p.v, p.v_scale, block.batch, 0, block.kv_head);
+    const auto* k_head = static_cast<const Elem<T>*>(k_row0.data);
+    const auto* v_head = static_cast<const Elem<T>*>(v_row0.data);
+    constexpr auto kBytes = static_cast<std::int64_t>(sizeof(Elem<T>));
     const std::int64_t block_keys = block.keys(p);
-    Prefetch(k_head, p.k.seq, v_head, p.v.seq, 0, std::min(bd, block_keys), dim, 1).all();
+    Prefetch(k_head, p.k.seq, v_head, p.v.seq, 0, std::min(bd, block_keys), dim, kBytes, 1).all();
 
     for (std::int64_t c0 = 0; c0 < block_keys; c0 += bd) {
       const std::int64_t tile_keys = std::min(bd, block_keys - c0);
       Prefetch next(k_head, p.k.seq, v_head, p.v.seq, c0 + bd,
-                    std::clamp(block_keys - c0 - bd, std::int64_t{0}, bd), dim,
+                    std::clamp(block_keys - c0 - bd, std::int64_t{0}, bd), dim, kBytes,
                     block.rows * row_steps);
-      const float* k_tile = k_head + c0 * p.k.seq;
-      const float* v_tile = v_head + c0 * p.v.seq;
+      const Elem<T>* k_tile = k_head + c0 * p.k.seq;
+      const Elem<T>* v_tile = v_head + c0 * p.v.seq;
+      const float* k_scales = scales_from<T>(k_row0.scale, c0, p.k_scale.seq);
+      const float* v_scales = scales_from<T>(v_row0.scale, c0, p.v_scale.seq);
       for (std::int64_t t = 0; t < block.rows; ++t) {
         const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
         if (cols == 0) continue;
-        const float tile_max =
-            row_logits(block.q_row(p, q, t), k_tile, p.k.seq, cols, dim, p.scale, s.weights, next);
+        const float tile_max = row_logits<T>(block.q_row(p, q, t), k_tile, p.k.seq, k_scales,
+                                             p.k_scale.seq, cols, dim, p.scale, s.weights, next);
         const float alpha = row_softmax(s.weights, cols, tile_max, m + t, l + t);
-        row_pv(s.weights, cols, v_tile, p.v.seq, dim, alpha, s.acc + t * s.ld_acc, next);
+        if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum
+          for (std::int64_t j = 0; j < cols; ++j) s.weights[j] *= v_scales[j * p.v_scale.seq];
+        }
+        row_pv<T>(s.weights, cols, v_tile, p.v.seq, dim, alpha, s.acc + t * s.ld_acc, next);
       }
       next.all();
     }
@@ -750,6 +936,44 @@ void decode_rows(const mha::Problem& p, const float* q, const float* k, const fl
       finish_row(s.acc + t * s.ld_acc, m[t], l[t], mha::visible_keys(p, block.row(t)), dim,
                  block.o_row(p, o, t), block.lse_at(p, lse, t));
     }
+  });
+}
+
+// The prefill path (the header's first path) over K and V of type T: each K tile widened as
+// it is packed, each V tile of a reduced type widened into s.wide once for all the block's
+// rows (an fp32 V tile is read in place). The products are the fp32 path's.
+template <mha::KvType T>
+void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v, float* o,
+             float* lse, mha::Workspace ws) {
+  const Tiling tiling = mha::support::flash_tiling(p);
+  const std::int64_t bc = tiling.keys;
+  Carve workspace(ws.data);
+  const Scratch s = carve(p, tiling, workspace);
+
+  mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
+    start_block(block, s);
+    const mha::KvView k_row0 = mha::kv_row(k, T, p.k, p.k_scale, block.batch, 0, block.kv_head);
+    const mha::KvView v_row0 = mha::kv_row(v, T, p.v, p.v_scale, block.batch, 0, block.kv_head);
+    const auto* k_head = static_cast<const Elem<T>*>(k_row0.data);
+    const auto* v_head = static_cast<const Elem<T>*>(v_row0.data);
+    const std::int64_t block_keys = block.keys(p);
+    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+      const Tile tile{c0, std::min(bc, block_keys - c0)};
+      pack_k_transposed<T>(k_head + c0 * p.k.seq, p.k.seq,
+                           scales_from<T>(k_row0.scale, c0, p.k_scale.seq), p.k_scale.seq,
+                           tile.keys, p.head_dim, s.kt, s.ld);
+      tile_logits(p, block, tile, q, s);
+      tile_softmax(p, block, tile, s);
+      if constexpr (T == mha::KvType::f32) {
+        tile_pv(p, block, tile, v_head + c0 * p.v.seq, p.v.seq, s);
+      } else {
+        widen_rows<T>(v_head + c0 * p.v.seq, p.v.seq,
+                      scales_from<T>(v_row0.scale, c0, p.v_scale.seq), p.v_scale.seq, tile.keys,
+                      p.head_dim, s.wide, s.ld_acc);
+        tile_pv(p, block, tile, s.wide, s.ld_acc, s);
+      }
+    }
+    finish_block(p, block, s, o, lse);
   });
 }
 
@@ -768,32 +992,26 @@ std::size_t mha_f32_attention_neon_workspace(const mha::Problem& p) {
                   mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
-void mha_f32_attention_neon(const mha::Problem& p, const float* q, mha::KvView k_view,
-                            mha::KvView v_view, float* o, float* lse, mha::Workspace ws) {
+void mha_f32_attention_neon(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+                            float* o, float* lse, mha::Workspace ws) {
   const mha::FpEnvGuard default_fp_env;
-  const auto* k = static_cast<const float*>(k_view.data);  // kv_type f32 (registry.inc)
-  const auto* v = static_cast<const float*>(v_view.data);
-  if (decodes(p)) {
-    decode_rows(p, q, k, v, o, lse, ws);
-    return;
-  }
-  const Tiling tiling = mha::support::flash_tiling(p);
-  const std::int64_t bc = tiling.keys;
-  Carve workspace(ws.data);
-  const Scratch s = carve(p, tiling, workspace);
-
-  mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
-    start_block(block, s);
-    const float* k_head = block.k_head(p, k);
-    const float* v_head = block.v_head(p, v);
-    const std::int64_t block_keys = block.keys(p);
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
-      const Tile tile{c0, std::min(bc, block_keys - c0)};
-      pack_k_transposed(k_head + c0 * p.k.seq, p.k.seq, tile.keys, p.head_dim, s.kt, s.ld);
-      tile_logits(p, block, tile, q, s);
-      tile_softmax(p, block, tile, s);
-      tile_pv(p, block, tile, v_head + c0 * p.v.seq, s);
+  const auto run = [&](auto type) {
+    constexpr mha::KvType kType = decltype(type)::value;
+    if (decodes(p)) {
+      decode_rows<kType>(p, q, k, v, o, lse, ws);
+    } else {
+      prefill<kType>(p, q, k, v, o, lse, ws);
     }
-    finish_block(p, block, s, o, lse);
-  });
+  };
+  switch (p.kv_type) {
+    case mha::KvType::f16:
+      return run(std::integral_constant<mha::KvType, mha::KvType::f16>());
+    case mha::KvType::bf16:
+      return run(std::integral_constant<mha::KvType, mha::KvType::bf16>());
+    case mha::KvType::i8:
+      return run(std::integral_constant<mha::KvType, mha::KvType::i8>());
+    case mha::KvType::f32:
+      break;
+  }
+  run(std::integral_constant<mha::KvType, mha::KvType::f32>());
 }
