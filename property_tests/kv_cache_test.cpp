@@ -224,6 +224,64 @@ TEST_P(ReducedKv, SameBitsAsFp32OfTheWidenedValues) {
   });
 }
 
+// Scales are an i8 cache's only: an f16 or bf16 call without scale pointers and with scale
+// strides of INT64_MAX (which check() leaves alone for those types) gives the bits it gives
+// with strides of 0, directly and through the driver (two batches, three KV heads and the
+// driver's split-KV chunks make every term of a row's offset non-zero). A kernel that read
+// a scale for those types would read through the null pointer.
+TEST_P(ReducedKv, ScaleStridesAreReadForI8Only) {
+  const auto same_bits = [&](const Case& c, KvType t, const Call& call) {
+    const TypedCase tc = typed_case(c, t);
+    const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+    Problem zeros = tc.p, unused = tc.p;
+    zeros.k_scale = zeros.v_scale = Strides{0, 0, 0};
+    unused.k_scale = unused.v_scale = Strides{huge, huge, huge};
+    const KvView k(tc.k.view().data), v(tc.v.view().data);
+    const Outputs a = run(call, kernel().name, zeros, tc.in, tc.in.q, k, v);
+    const Outputs b = run(call, kernel().name, unused, tc.in, tc.in.q, k, v);
+    const Problem& p = tc.p;
+    for (std::int64_t bi = 0; bi < p.batch; ++bi) {
+      for (std::int64_t h = 0; h < p.q_heads; ++h) {
+        for (std::int64_t i = 0; i < p.q_len; ++i) {
+          const float l1 = a.lse_at(p, bi, h, i), l2 = b.lse_at(p, bi, h, i);
+          MHA_RC_ASSERT(std::memcmp(&l1, &l2, sizeof l1) == 0,
+                        "lse (" << bi << ", " << h << ", " << i << ") " << l2 << " against " << l1);
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            const float o1 = a.o_at(p, bi, h, i, d), o2 = b.o_at(p, bi, h, i, d);
+            MHA_RC_ASSERT(std::memcmp(&o1, &o2, sizeof o1) == 0, "o (" << bi << ", " << h << ", "
+                                                                       << i << ", " << d << ") "
+                                                                       << o2 << " against " << o1);
+          }
+        }
+      }
+    }
+  };
+  std::vector<KvType> types;
+  for (KvType t : {KvType::f16, KvType::bf16}) {
+    if (reads(kernel(), t)) types.push_back(t);
+  }
+  if (types.empty()) GTEST_SKIP() << "kernel " << kernel().name << " reads neither f16 nor bf16";
+  for (const Problem& p : {make_problem(2, 1, 300, 6, 3, 24, true),  // decode, split by the driver
+                           make_problem(2, 5, 40, 6, 3, 16, true)}) {  // prefill
+    Case c;
+    c.p = p;
+    c.seed = 3;
+    for (KvType t : types) {
+      for (const Call& call : {call_kernel(kernel()), call_driver(kernel(), 2)}) {
+        check_property([&] { same_bits(c, t, call); }, 1);
+      }
+    }
+  }
+  CaseOptions options;
+  options.shape.long_cases = false;
+  check_property([&] {
+    const KvType t = *rc::gen::elementOf(types);
+    const bool driver = *rc::gen::arbitrary<bool>();
+    same_bits(driver ? *gen_split_case() : *gen_case(options), t,
+              driver ? call_driver(kernel(), 2) : call_kernel(kernel()));
+  });
+}
+
 // An i8 row whose scale is NaN (quantize_i8_row's answer to a row holding a NaN) makes every
 // output row that sees the key NaN, and leaves the others finite; an f16 or bf16 infinity
 // in V makes the rows that give it weight non-finite.

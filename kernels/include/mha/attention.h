@@ -135,11 +135,12 @@ inline KvView advance(const KvView& x, KvType t, std::int64_t offset, std::int64
 
 /// Row j of KV head h in batch b of x, K or V of type t with element strides st and, for
 /// i8, scale strides sc (p.k and p.k_scale, or p.v and p.v_scale); j or h 0 for a head's
-/// first row or a batch's first head.
+/// first row or a batch's first head. The scale strides of another type are not read:
+/// check() does not bound them, so no offset is formed from them.
 inline KvView kv_row(const KvView& x, KvType t, const Strides& st, const Strides& sc,
                      std::int64_t b, std::int64_t j, std::int64_t h) {
-  return advance(x, t, b * st.batch + j * st.seq + h * st.head,
-                 b * sc.batch + j * sc.seq + h * sc.head);
+  const std::int64_t scale_offset = t == KvType::i8 ? b * sc.batch + j * sc.seq + h * sc.head : 0;
+  return advance(x, t, b * st.batch + j * st.seq + h * st.head, scale_offset);
 }
 
 /// The two common memory layouts of one tensor.
