@@ -113,6 +113,27 @@ rc::Gen<KvType> gen_type(const KernelInfo& kernel) {
   return rc::gen::elementOf(types);
 }
 
+// Every o and lse element of `got` has the bits of `want`'s (what: got's name, whose: want's).
+void expect_same_bits(const Problem& p, const Outputs& got, const Outputs& want,
+                      const std::string& what, const std::string& whose) {
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      for (std::int64_t i = 0; i < p.q_len; ++i) {
+        const float l1 = got.lse_at(p, b, h, i), l2 = want.lse_at(p, b, h, i);
+        MHA_RC_ASSERT(std::memcmp(&l1, &l2, sizeof l1) == 0,
+                      what << " lse (" << b << ", " << h << ", " << i << ") " << l1 << " against "
+                           << whose << " " << l2);
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          const float o1 = got.o_at(p, b, h, i, d), o2 = want.o_at(p, b, h, i, d);
+          MHA_RC_ASSERT(std::memcmp(&o1, &o2, sizeof o1) == 0,
+                        what << " o (" << b << ", " << h << ", " << i << ", " << d << ") " << o1
+                             << " against " << whose << " " << o2);
+        }
+      }
+    }
+  }
+}
+
 class ReducedKv : public KernelTest {
  protected:
   void SetUp() override {
@@ -204,23 +225,7 @@ TEST_P(ReducedKv, SameBitsAsFp32OfTheWidenedValues) {
                    std::string(kernel().name) + " kv:i8 against fp32 of the widened values");
       return;
     }
-    const Problem& p = tc.p;
-    for (std::int64_t b = 0; b < p.batch; ++b) {
-      for (std::int64_t h = 0; h < p.q_heads; ++h) {
-        for (std::int64_t i = 0; i < p.q_len; ++i) {
-          const float l1 = typed.lse_at(p, b, h, i), l2 = wide.lse_at(p, b, h, i);
-          MHA_RC_ASSERT(std::memcmp(&l1, &l2, sizeof l1) == 0,
-                        "kv:" << kv_type_name(t) << " lse (" << b << ", " << h << ", " << i << ") "
-                              << l1 << " against fp32's " << l2);
-          for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            const float o1 = typed.o_at(p, b, h, i, d), o2 = wide.o_at(p, b, h, i, d);
-            MHA_RC_ASSERT(std::memcmp(&o1, &o2, sizeof o1) == 0,
-                          "kv:" << kv_type_name(t) << " o (" << b << ", " << h << ", " << i << ", "
-                                << d << ") " << o1 << " against fp32's " << o2);
-          }
-        }
-      }
-    }
+    expect_same_bits(tc.p, typed, wide, std::string("kv:") + kv_type_name(t), "fp32's");
   });
 }
 
@@ -239,22 +244,7 @@ TEST_P(ReducedKv, ScaleStridesAreReadForI8Only) {
     const KvView k(tc.k.view().data), v(tc.v.view().data);
     const Outputs a = run(call, kernel().name, zeros, tc.in, tc.in.q, k, v);
     const Outputs b = run(call, kernel().name, unused, tc.in, tc.in.q, k, v);
-    const Problem& p = tc.p;
-    for (std::int64_t bi = 0; bi < p.batch; ++bi) {
-      for (std::int64_t h = 0; h < p.q_heads; ++h) {
-        for (std::int64_t i = 0; i < p.q_len; ++i) {
-          const float l1 = a.lse_at(p, bi, h, i), l2 = b.lse_at(p, bi, h, i);
-          MHA_RC_ASSERT(std::memcmp(&l1, &l2, sizeof l1) == 0,
-                        "lse (" << bi << ", " << h << ", " << i << ") " << l2 << " against " << l1);
-          for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            const float o1 = a.o_at(p, bi, h, i, d), o2 = b.o_at(p, bi, h, i, d);
-            MHA_RC_ASSERT(std::memcmp(&o1, &o2, sizeof o1) == 0, "o (" << bi << ", " << h << ", "
-                                                                       << i << ", " << d << ") "
-                                                                       << o2 << " against " << o1);
-          }
-        }
-      }
-    }
+    expect_same_bits(tc.p, b, a, "scale strides INT64_MAX", "zero strides'");
   };
   std::vector<KvType> types;
   for (KvType t : {KvType::f16, KvType::bf16}) {
