@@ -241,6 +241,14 @@ void attention(const std::string& kernel, const Problem& p, const float* q, KvVi
   run(*info, p, q, k, v, o, lse, threads);
 }
 
+void attention(const KernelInfo& kernel, const Problem& p, const float* q, KvView k, KvView v,
+               float* o, float* lse, int threads) {
+  if (kernel.name == nullptr || kernel.fn == nullptr || kernel.workspace == nullptr) {
+    throw std::invalid_argument("mha::attention: a KernelInfo needs a name, fn and workspace");
+  }
+  run(kernel, p, q, k, v, o, lse, threads);
+}
+
 void attention(const Problem& p, const float* q, KvView k, KvView v, float* o, float* lse,
                int threads) {
   run(best_kernel(p.kv_type), p, q, k, v, o, lse, threads);

@@ -780,7 +780,7 @@ TEST(LayerKv, AttentionKernelPerType) {
     if (!available(kernel)) continue;
     const Layer named(c, weights, "", kernel.name);
     for (KvType t : kAllKvTypes) {
-      if (!reads(kernel, t)) continue;  // NamedKernelRefusesATypeItDoesNotRead
+      if (!reads(kernel, t)) continue;  // KernelRefusesATypeItDoesNotRead
       KvCache cache(c, 2, 4, t);
       EXPECT_EQ(&named.attention_kernel(t), &kernel);
       EXPECT_EQ(error_of([&] { named.prefill(x.data(), 1, y.data(), cache); }), "");
@@ -788,38 +788,45 @@ TEST(LayerKv, AttentionKernelPerType) {
   }
 }
 
-// A named kernel and a cache of a type it does not read: a clear error, before anything is
-// written. Only a registry kernel can be named, and a build where every available one reads
-// every KvType (kv_types in kernels/registry.inc: all kKvAll today, on x86-64 and aarch64)
-// has none to refuse: the test then skips, saying so, rather than pass without a check.
-TEST(LayerKv, NamedKernelRefusesATypeItDoesNotRead) {
+// An attention kernel and a cache of a type it does not read: a clear error, before anything
+// is written. Every registry kernel reads every KvType (kv_types in kernels/registry.inc:
+// kKvAll), so each available one is given as an entry of its own restricted to f32, as a
+// user's copy of a kernel may be; an f32 cache still runs through it, with the registry
+// kernel's bits.
+TEST(LayerKv, KernelRefusesATypeItDoesNotRead) {
   const LayerConfig c{8, 2, 1, 4};
-  std::vector<float> w(64, 0.25f), x(16, 1.0f), y(16, 7.0f);
+  std::vector<float> w(64, 0.25f), x(16), y(16, 7.0f), want(16);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 0.5f - 0.125f * static_cast<float>(i % 9);
   LayerWeights weights;
   weights.wq = weights.wk = weights.wv = weights.wo = w.data();
-  int refused = 0;
   for (const KernelInfo& kernel : all_kernels()) {
     if (!available(kernel)) continue;
-    const Layer named(c, weights, "", kernel.name);
+    KernelInfo f32_only = kernel;
+    f32_only.kv_types = kKvF32;
+    const Layer own(c, weights, "", f32_only);
     for (KvType t : kAllKvTypes) {
-      if (reads(kernel, t)) continue;
-      ++refused;
+      if (t == KvType::f32) continue;
       KvCache cache(c, 2, 4, t);
       const std::string why = "attention kernel '" + std::string(kernel.name) +
                               "' does not read kv_type " + kv_type_name(t);
-      EXPECT_EQ(error_of([&] { named.attention_kernel(t); }), "Layer::attention_kernel: " + why);
+      EXPECT_EQ(error_of([&] { own.attention_kernel(t); }), "Layer::attention_kernel: " + why);
       std::fill(y.begin(), y.end(), 7.0f);
-      EXPECT_EQ(error_of([&] { named.decode(x.data(), y.data(), cache); }),
+      EXPECT_EQ(error_of([&] { own.decode(x.data(), y.data(), cache); }),
                 "Layer::prefill: " + why);
       EXPECT_EQ(cache.length(), 0);
-      EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float f) { return f == 7.0f; }));
+      EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float f) { return f == 7.0f; }))
+          << kernel.name << " " << kv_type_name(t);
     }
+    EXPECT_EQ(&own.attention_kernel(), &f32_only);
+    KvCache mine(c, 2, 4), theirs(c, 2, 4);
+    own.prefill(x.data(), 1, y.data(), mine);
+    Layer(c, weights, "", kernel.name).prefill(x.data(), 1, want.data(), theirs);
+    EXPECT_EQ(0, std::memcmp(y.data(), want.data(), y.size() * sizeof(float))) << kernel.name;
   }
-  if (refused == 0) {
-    GTEST_SKIP() << "every available kernel reads every KvType (kv_types in "
-                    "kernels/registry.inc): no named kernel to refuse a cache, that error is "
-                    "untested here";
-  }
+  KernelInfo none = best_kernel();
+  none.workspace = nullptr;
+  EXPECT_EQ(error_of([&] { Layer(c, weights, "", none); }),
+            "Layer: the attention kernel's KernelInfo needs a name, fn and workspace");
 }
 
 TEST(LayerCheck, RejectsBadShapesAndCallsWithAMessage) {

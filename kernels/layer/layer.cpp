@@ -224,6 +224,14 @@ const float* KvCache::v() const { return f32(v_, "KvCache::v"); }
 
 Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string& gemm,
              const std::string& attention)
+    : Layer(config, w, gemm, attention, nullptr) {}
+
+Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string& gemm,
+             const KernelInfo& attention)
+    : Layer(config, w, gemm, "", &attention) {}
+
+Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string& gemm,
+             const std::string& attention, const KernelInfo* kernel)
     : config_(config) {
   if (const std::string why = check(config); !why.empty()) fail("Layer", why);
   if (w.wq == nullptr || w.wk == nullptr || w.wv == nullptr || w.wo == nullptr) {
@@ -231,9 +239,16 @@ Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string
   }
   gemm_ = gemm.empty() ? &best_gemm() : find_gemm(gemm);
   if (gemm_ == nullptr) fail("Layer", "unknown gemm kernel '" + gemm + "'");
-  if (!attention.empty()) {
+  if (kernel != nullptr) {
+    if (kernel->name == nullptr || kernel->fn == nullptr || kernel->workspace == nullptr) {
+      fail("Layer", "the attention kernel's KernelInfo needs a name, fn and workspace");
+    }
+    named_ = kernel;
+  } else if (!attention.empty()) {
     named_ = find_kernel(attention);
     if (named_ == nullptr) fail("Layer", "unknown attention kernel '" + attention + "'");
+  }
+  if (named_ != nullptr) {
     if (!available(*named_)) {
       fail("Layer", "attention kernel '" + std::string(named_->name) + "' needs " +
                         isa_name(named_->isa) + ", which this CPU lacks or MHA_MAX_ISA excludes");

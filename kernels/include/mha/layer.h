@@ -159,6 +159,12 @@ class Layer {
   /// accepted: a cache of that type is rejected when a call meets it.
   Layer(const LayerConfig& config, const LayerWeights& weights, const std::string& gemm = "",
         const std::string& attention = "");
+  /// The same with an attention kernel given by its entry, which need not be in the registry
+  /// (a copied or modified kernel; mha::attention takes one too). The layer keeps a pointer
+  /// to it: it must outlive the layer. Throws std::invalid_argument when its name, fn or
+  /// workspace is null.
+  Layer(const LayerConfig& config, const LayerWeights& weights, const std::string& gemm,
+        const KernelInfo& attention);
 
   const LayerConfig& config() const { return config_; }
   const GemmInfo& gemm_kernel() const { return *gemm_; }
@@ -186,6 +192,10 @@ class Layer {
                int threads = 0) const;
 
  private:
+  // The public constructors': the attention kernel is `kernel` when not null, else the
+  // registry's called `name` when not empty, else the best for each KvType.
+  Layer(const LayerConfig& config, const LayerWeights& weights, const std::string& gemm,
+        const std::string& name, const KernelInfo* kernel);
   // attention_kernel(t), its errors said as `where`.
   const KernelInfo& kernel_for(KvType t, const char* where) const;
 

@@ -124,6 +124,12 @@ void attention(const Problem& p, const float* q, KvView k, KvView v, float* o, f
 void attention(const std::string& kernel, const Problem& p, const float* q, KvView k, KvView v,
                float* o, float* lse = nullptr, int threads = 0);
 
+/// The same with a kernel given by its entry, which need not be in the registry: a copied or
+/// modified kernel gets the same validation, parallel driver and workspace. Throws
+/// std::invalid_argument when its name, fn or workspace is null, and as above.
+void attention(const KernelInfo& kernel, const Problem& p, const float* q, KvView k, KvView v,
+               float* o, float* lse = nullptr, int threads = 0);
+
 /// One GEMM kernel of kernels/gemm/gemm.inc (mha/gemm.h).
 struct GemmInfo {
   const char* name;
