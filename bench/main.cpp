@@ -450,14 +450,41 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
   return w;
 }
 
+// The largest move of an element of copy 0's K or V (stored values) when stored again in
+// 8 bits with groups of the peer's choosing: `steps` steps of (max - min) / 255 over the
+// tensor, plus the values' rounding to fp32 (peers.h, peer_bound).
+double requantized_move(const Problem& p, const KvView& x, const Strides& st,
+                        const Strides& scale_st, double steps) {
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, abs_max = 0.0;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t j = 0; j < p.kv_len; ++j) {
+      for (std::int64_t h = 0; h < p.kv_heads; ++h) {
+        const ref::KvRow row = ref::kv_row(p, x, st, scale_st, b, j, h);
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          const double e = row.at(d);
+          lo = std::min(lo, e);
+          hi = std::max(hi, e);
+          abs_max = std::max(abs_max, std::fabs(e));
+        }
+      }
+    }
+  }
+  return steps * (hi - lo) / 255.0 + 0x1p-24 * abs_max;
+}
+
 // Compares sampled rows of w.o and w.lse (first, middle, last query row of every head: every
 // row of a decode) with the reference under the shared tolerance, for an implementation whose
-// exp errs by at most `exp_ulp`, plus `extra_v` times the row's largest |v| (a peer's
-// reduced-precision arithmetic: peers.h, peer_bound); lse only when `check_lse`. Empty when
-// they agree.
+// exp errs by at most `exp_ulp`, plus, for a peer's reduced-precision arithmetic or its own
+// 8-bit copy of K and V (peers.h, peer_bound), `extra.extra_v` times the row's largest |v| and
+// what `extra.requantized_steps` moves; lse only when `check_lse`. Empty when they agree.
 std::string compare_with_reference(Workspace& w, double exp_ulp, bool check_lse,
-                                   double extra_v = 0.0) {
+                                   const PeerBound& extra = {0.0, 0.0, 0.0}) {
   const Problem& p = w.p;
+  double k_move = 0.0, v_move = 0.0;
+  if (extra.requantized_steps > 0.0) {
+    k_move = requantized_move(p, w.k_view(0), p.k, p.k_scale, extra.requantized_steps);
+    v_move = requantized_move(p, w.v_view(0), p.v, p.v_scale, extra.requantized_steps);
+  }
   for (std::int64_t row : {std::int64_t{0}, p.q_len / 2, p.q_len - 1}) {
     if (w.want.count(row) == 0) {
       w.want.emplace(row, ref::attention(p, w.q[0].data(), w.k_view(0), w.v_view(0), row, row + 1));
@@ -472,7 +499,14 @@ std::string compare_with_reference(Workspace& w, double exp_ulp, bool check_lse,
     for (std::int64_t b = 0; b < p.batch; ++b) {
       for (std::int64_t h = 0; h < p.q_heads; ++h) {
         const std::size_t r = tol.row(b, h, row);
-        const double bound = tol.o[r] + extra_v * tol.v_max[r];
+        double bound = tol.o[r] + extra.extra_v * tol.v_max[r];
+        if (extra.requantized_steps > 0.0) {
+          const float* qr = w.q[0].data() + b * p.q.batch + row * p.q.seq + h * p.q.head;
+          double q1 = 0.0;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) q1 += std::fabs(double{qr[d]});
+          const double logit_move = std::fabs(double{p.scale}) * q1 * k_move;
+          bound += std::expm1(2.0 * logit_move) * tol.v_max[r] + v_move;
+        }
         for (std::int64_t d = 0; d < p.head_dim; ++d) {
           const double got =
               w.o[static_cast<std::size_t>(b * p.o.batch + row * p.o.seq + h * p.o.head + d)];
@@ -782,7 +816,7 @@ void run_peer_benchmark(benchmark::State& state, PeerServer& server, const std::
   if (g_plant == Plant::zeros) std::fill(w.o.begin(), w.o.end(), 0.0f);
   const PeerBound bound = peer_bound(w.p.kv_type);
   const std::string error =
-      planted_verdict(compare_with_reference(w, bound.exp_ulp, /*check_lse=*/false, bound.extra_v));
+      planted_verdict(compare_with_reference(w, bound.exp_ulp, /*check_lse=*/false, bound));
   if (!error.empty()) {
     server.release();
     state.SkipWithError(error.c_str());

@@ -112,6 +112,7 @@ double seconds_from(const std::string& reply, std::string* why) {
 }  // namespace
 
 PeerBound peer_bound(KvType t) {
+  if (t == KvType::i8) return {kPeerExpUlp, 0.0, 1.125};
   if (t != KvType::f16 && t != KvType::bf16) return {};
   const double u = t == KvType::f16 ? 0x1p-11 : 0x1p-8;
   return {kPeerExpUlp, 2.0 * u / (1.0 - u) + u};

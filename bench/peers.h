@@ -143,6 +143,9 @@ constexpr double kPeerExpUlp = 8.0;
 struct PeerBound {
   double exp_ulp = kPeerExpUlp;
   double extra_v = 0.0;
+  /// Steps of an 8-bit grid over a tensor's range that each element of K and V may move by
+  /// when the peer stores them again in its own 8-bit form (0: it does not). See peer_bound.
+  double requantized_steps = 0.0;
 };
 
 /// The bound for a peer computing with K and V of type t. fp32: kPeerExpUlp. f16 and bf16
@@ -157,6 +160,23 @@ struct PeerBound {
 /// rounding, u |o| <= u V: extra_v = 2u / (1 - u) + u. What this bound cannot see on such a
 /// peer: an output change below its rounding (bf16: 2^-8 relative), e.g. 1 % of 131072 keys
 /// dropped; a missing dominant key or a zero output it rejects (bench/peers/tests).
+///
+/// i8: no peer reads this project's i8 rows (a scale per row, symmetric). OpenVINO keeps its
+/// cache in u8 with a scale and a zero point per group of its own choosing (tokens or
+/// channels, KEY_CACHE_GROUP_SIZE, KEY_CACHE_QUANT_MODE), so it is given the stored values in
+/// fp32 and quantizes them again. Whatever its groups, an element then moves by at most
+/// delta = 1.125 steps of (max - min) / 255 over the whole tensor: half a step rounding, half
+/// a step more where a zero point rounded to the grid clamps an end of the range, and 255 x
+/// 2^-11 < 0.125 of a step if the scale is held in f16; plus 2^-24 max |x| for the values'
+/// own rounding to fp32. A logit moves by at most e = scale |q|_1 delta_K, so each weight by
+/// a factor within e^(+-2e) after normalizing, and the output by (e^(2e) - 1) max |v| from
+/// the weights plus delta_V from the values (mha_bench's compare_with_reference). The fp32
+/// part of the bound is computed on this project's stored values; the peer's differ by
+/// delta, which changes that part by delta times a rounding, far below both terms. What this
+/// bound cannot see: on mha_bench's inputs (reference/sensitive.h: logits 16 q_a k_a, v in
+/// [0.5, 1.5]) an element's move of 1.125 / 255 moves a logit by up to 0.07 and the bound by
+/// about 0.2, while dropping a row's dominant key moves the output by about 0.03: such a peer
+/// passes. A zero answer, or one off by a quarter, it rejects (bench/peers/tests).
 PeerBound peer_bound(KvType t);
 
 /// The peer server: a child process, started once, serving every peer benchmark.

@@ -499,18 +499,25 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
 
     how = (
         "opset13 SDPA in the stateful KV-cache form of an exported LLM, K, V broadcast over "
-        "each group; prefill and decode only; f16/bf16 K, V: KV_CACHE_PRECISION of the type; "
+        "each group; prefill and decode only; f16/bf16 K, V: KV_CACHE_PRECISION of the type, "
+        "i8 (decode): u8 (its own scales and zero points, quantized from the stored values); "
         "fused path: yes, its ScaledDotProductAttention node (asserted by the peer tests)")
 
     name = "peer-openvino-sdpa-kvcache"
     # f16 and bf16 through the plugin's KV_CACHE_PRECISION: the cache is given (and set as
     # the state) in fp32 holding the stored values, which the plugin keeps in the type
-    # exactly.
-    kv_types = ("f32", "f16", "bf16")
+    # exactly. i8 through its u8 cache: the plugin quantizes the stored values again with a
+    # scale and a zero point per group of its own (bench/peers.h, peer_bound, bounds what that
+    # moves), so the bytes it reads per element are i8's.
+    kv_types = ("f32", "f16", "bf16", "i8")
+    CACHE_PRECISION = {"f32": "f32", "f16": "f16", "bf16": "bf16", "i8": "u8"}
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.q_len != 1 and p.q_len != p.kv_len:
             return "a generation loop's forms only: prefill (Lq = Lk) or decode (Lq = 1)"
+        if p.kv_type == "i8" and p.q_len != 1:
+            return ("K and V in i8: its prefill attends over the new tokens in fp32 (the u8 "
+                    "cache is what later steps read): decode only")
         return super().why_unsupported(p)
 
     def model(self, p: Problem, k_head_major: bool, v_head_major: bool) -> Any:
@@ -559,7 +566,7 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     def compile(self, p: Problem, k_head_major: bool, v_head_major: bool, threads: int) -> Any:
         return self.core.compile_model(self.model(p, k_head_major, v_head_major), "CPU", {
             "INFERENCE_PRECISION_HINT": "f32",
-            "KV_CACHE_PRECISION": p.kv_type,
+            "KV_CACHE_PRECISION": self.CACHE_PRECISION[p.kv_type],
             "INFERENCE_NUM_THREADS": threads,
             "NUM_STREAMS": 1,
             "PERFORMANCE_HINT": "LATENCY",

@@ -21,8 +21,8 @@ import pytest
 from mha_peers.frameworks import (ALL, ATTENTION, Framework, OpenVinoSdpaKvCache, Peer,
                                   TorchLayer, TorchMatmul, TorchSdpa)
 from mha_peers.layer import Gemm, GemmTensors, Layer, LayerReference, LayerTensors, layer
-from mha_peers.problem import (Mask, Problem, Tensors, dense_head_major, dense_token_major,
-                               attention)
+from mha_peers.problem import (Mask, Problem, Tensors, attention, dense_head_major,
+                               dense_token_major, view)
 from mha_peers.server import Server, serve
 
 
@@ -179,22 +179,73 @@ def test_peer_reads_a_reduced_kv_type(cls: type[Peer], case: str, kv_type: str) 
     assert err <= bound, f"{peer.name} on {case} in {kv_type}: max |error| {err:.3g} > {bound:.3g}"
 
 
+def stored_i8(p: Problem, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x ([batch, length, heads, dim] float32 view) as i8 rows, a scale per row (max |x| /
+    127, as the project's cache stores them): the bytes in a float32 buffer with p.k_strides'
+    element positions, the scales [batch, kv_len, kv_heads] token-major, and the values
+    (q s) in float32."""
+    scale = (np.abs(x).max(axis=-1, keepdims=True) / 127).astype(np.float32)
+    q8 = np.rint(x / np.where(scale == 0, 1, scale)).clip(-127, 127).astype(np.int8)
+    storage = np.zeros((extent(p, p.kv_len, p.kv_heads, p.k_strides) + 3) // 4, np.float32)
+    view(storage, p.batch, p.kv_len, p.kv_heads, p.head_dim, p.k_strides, np.int8)[...] = q8
+    return storage, np.ascontiguousarray(scale).reshape(-1), q8.astype(np.float32) * scale
+
+
+@pytest.mark.parametrize("case", ["decode-head-major", "decode-mqa-token-major"])
+def test_openvino_reads_an_i8_cache_within_its_requantization_bound(case: str) -> None:
+    """peer-openvino-sdpa-kvcache on an i8 cache (its u8 form, quantized again from the stored
+    values with scales and zero points of its own) matches attention in double on the stored
+    values within the fp32 bound plus what that requantization may move (bench/peers.h,
+    peer_bound): each element by delta = 1.125 steps of range / 255 plus 2^-24 max |x|, a logit
+    by e = scale |q|_1 delta_K, the output by (e^(2e) - 1) max |v| + delta_V."""
+    peer = loaded(OpenVinoSdpaKvCache)
+    assert isinstance(peer, Peer)
+    base = make_problem(**CASES[case])
+    dense = (base.kv_len * base.kv_heads, base.kv_heads, 1)
+    p = replace(base, kv_type="i8", k_scale_strides=dense, v_scale_strides=dense)
+    assert peer.why_unsupported(p) is None
+    assert "decode only" in peer.why_unsupported(replace(p, q_len=p.kv_len))
+    rng = np.random.default_rng(13)
+    q, k, v, o = buffers(p, rng, copies=1)
+    f32 = replace(p, kv_type="f32", k_scale_strides=None, v_scale_strides=None)
+    raw = Tensors.from_buffers(f32, q, k, v, o)
+    (ks, kscale, kw), (vs, vscale, vw) = stored_i8(p, raw.k[0]), stored_i8(p, raw.v[0])
+    t = Tensors.from_buffers(p, q, [ks], [vs], o, [kscale], [vscale])
+    call = peer.prepare(p, t, threads=1)
+    call(0)
+    peer.write_output(p, t)
+    wide_k, wide_v = k[0].copy(), v[0].copy()
+    wide = Tensors.from_buffers(f32, q, [wide_k], [wide_v], o.copy())
+    wide.k[0][...] = kw
+    wide.v[0][...] = vw
+    want = attention(f32, wide.q[0], wide.k[0], wide.v[0])
+
+    def move(x: np.ndarray) -> float:
+        return 1.125 * float(x.max() - x.min()) / 255 + 2.0 ** -24 * float(np.abs(x).max())
+
+    logit = p.scale * np.abs(wide.q[0]).sum(axis=-1).max() * move(kw)
+    bound = error_bound(p) + math.expm1(2 * logit) * float(np.abs(vw).max()) + move(vw)
+    err = np.abs(t.o - want).max()
+    assert err <= bound, f"{peer.name} on {case} in i8: max |error| {err:.3g} > {bound:.3g}"
+    print(f"{case}: max |error| {err:.3g}, bound {bound:.3g}, max |o| {np.abs(want).max():.3g}")
+
+
 @pytest.mark.parametrize("kind", ["prefill", "prefill-causal", "decode", "decode-gqa",
                                   "decode-mqa", "prefill-gqa-token-major", "decode-f16",
-                                  "decode-gqa-bf16"])
+                                  "decode-gqa-bf16", "decode-gqa-i8"])
 def test_openvino_kv_cache_keeps_the_fused_node(kind: str) -> None:
     """The CPU plugin compiles peer-openvino-sdpa-kvcache's model for every kind of problem
     with its ScaledDotProductAttention node, not a MatMul, Softmax, MatMul decomposition or
-    a Snippets subgraph (the plain opset13 model gets those); with an f16 or bf16 cache
-    too."""
+    a Snippets subgraph (the plain opset13 model gets those); with an f16, bf16 or u8 (i8)
+    cache too."""
     peer = loaded(OpenVinoSdpaKvCache)
     assert isinstance(peer, OpenVinoSdpaKvCache)
     heads, kv_heads = {"decode-gqa": (8, 2), "decode-mqa": (8, 1), "decode-gqa-bf16": (8, 2),
-                       "prefill-gqa-token-major": (8, 2)}.get(kind, (4, 4))
+                       "decode-gqa-i8": (8, 2), "prefill-gqa-token-major": (8, 2)}.get(kind, (4, 4))
     q_len = 1 if kind.startswith("decode") else 64
     p = make_problem(1, q_len, 64 if q_len > 1 else 256, heads, kv_heads, 32,
                      causal=kind != "prefill", kv_head_major=kind != "prefill-gqa-token-major")
-    for kv_type in ("f16", "bf16"):
+    for kv_type in ("f16", "bf16", "i8"):
         if kind.endswith(kv_type):
             p = replace(p, kv_type=kv_type)
     head_major = kind != "prefill-gqa-token-major"
@@ -668,6 +719,18 @@ def test_bench_check_rejects_a_reduced_precision_peer_without_its_dominant_key()
     run, installed = planted_bench_run(
         "middle-key", "^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
         "/kv:(f16|bf16)/threads:1/", kv_type="f16")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("planted answer rejected") >= 2 * len(installed), run.stdout[-2000:]
+    assert "not rejected" not in run.stderr
+
+
+def test_bench_check_rejects_an_i8_peer_returning_zeros() -> None:
+    """On an i8 cache the check allows the peer's own 8-bit copy of K and V (bench/peers.h,
+    peer_bound), a bound wide enough on these inputs that a dropped dominant key passes it
+    (peers.h says so); it must still reject a peer whose answer is zeros."""
+    run, installed = planted_bench_run(
+        "zeros", "^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
+        "/kv:i8/threads:1/", kv_type="i8")
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("planted answer rejected") >= 2 * len(installed), run.stdout[-2000:]
     assert "not rejected" not in run.stderr
