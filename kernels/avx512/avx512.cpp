@@ -831,18 +831,22 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
       const Elem<T>* v_tile = v_head + c0 * v_seq;
 
       // The group of R rows t0 + r q_len (query heads head0 + t0 / q_len + r, one query row).
-      const auto run_group = [&](auto group_size, std::int64_t t0) {
+      const auto run_group = [&](auto group_size, std::int64_t t0) __attribute__((always_inline)) {
         constexpr int R = decltype(group_size)::value;
         constexpr int kKeys = kGroupKeys<R>;
         // The same for every row of the group: they share the query row.
         const std::int64_t cols = block.tile_keys_seen(p, t0, c0, tile_keys);
         if (cols == 0) return;
+        // A copy the group's loops step, its state in registers (the next group goes on from
+        // where this one stopped).
+        Prefetch pf = next;
         const float* qr[R];
         for (int r = 0; r < R; ++r) qr[r] = block.q_row(p, q, t0 + r * p.q_len);
         // The tile's first group (query row 0, heads 0 .. R - 1) prefetches the next tile.
         const bool leads = ahead && t0 == 0;
         const std::int64_t k_ahead = leads ? decode_keys * k_seq * kBytes<T> : 0;
         const std::int64_t v_ahead = leads ? decode_keys * v_seq * kBytes<T> : 0;
+        const std::int64_t ahead_keys = leads ? next_keys : 0;  // none: no prefetch at all
         // Base-2 logits of the rows' `cols` keys, kKeys at a time: row r's dot product with
         // key i in a[r kKeys + i], over slices of 128 columns of head_dim. Row r's logits go
         // to weights + r ldw.
@@ -859,15 +863,15 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
               const __mmask16 key_tail = first_lanes(dim - d0 - 16 * (NV - 1));
               if constexpr (R == 1) {
                 dot_16_keys<NV, T>(qr[0] + d0, keys + d0, k_seq, nk, key_tail, a,
-                                   Ahead{k_ahead, next_keys - j0});
+                                   Ahead{k_ahead, ahead_keys - j0});
               } else {
                 const float* qd[R];
                 for (int r = 0; r < R; ++r) qd[r] = qr[r] + d0;
                 dot_group_keys<R, NV, T>(qd, keys + d0, k_seq, nk, key_tail, a,
-                                         Ahead{k_ahead, next_keys - j0});
+                                         Ahead{k_ahead, ahead_keys - j0});
               }
             });
-            next.step();
+            pf.step();
           }
           __m512 s = _mm512_mul_ps(sum_lanes16(a), logit_scale);
           if constexpr (T == mha::KvType::i8) {
@@ -934,8 +938,8 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
                 const __mmask16 last = first_lanes(dim - d0 - 16 * (NV - 1));
                 if constexpr (R == 1) {
                   add_weighted_rows<NV, T>(weights, cols, v_tile + d0, v_seq, last, acc + d0,
-                                           _mm512_set1_ps(alpha[0]), next,
-                                           Ahead{v_ahead, next_keys});
+                                           _mm512_set1_ps(alpha[0]), pf,
+                                           Ahead{v_ahead, ahead_keys});
                 } else {
                   const float* w[R];
                   float* accs[R];
@@ -944,23 +948,30 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
                     accs[r] = acc + r * p.q_len * d16 + d0;
                   }
                   add_weighted_rows_group<R, NV, T>(w, cols, v_tile + d0, v_seq, last, accs, alpha,
-                                                    Ahead{v_ahead, next_keys});
+                                                    Ahead{v_ahead, ahead_keys});
                 }
               });
           if constexpr (R > 1) {
-            for (std::int64_t j = 0; j < cols; j += kKeys) next.step();
+            for (std::int64_t j = 0; j < cols; j += kKeys) pf.step();
           }
         }
+        next = pf;
+      };
+      // Groups of 2 and 4 rows in a function of their own (inlined too, g = 4 and 8 ran 1.5
+      // times as long); a single row's steps in this one (in its own function as well, g = 1
+      // from L3 took 1.1-1.5 times as long: GCC 12 kept the prefetch state in memory).
+      const auto run_wide = [&](auto group_size, std::int64_t t0) __attribute__((noinline)) {
+        run_group(group_size, t0);
       };
       for (std::int64_t row = 0; row < p.q_len; ++row) {
         for (std::int64_t h0 = 0; h0 < heads; h0 += group_rows(heads - h0)) {
           const std::int64_t t0 = h0 * p.q_len + row;
           switch (group_rows(heads - h0)) {
             case 4:
-              run_group(std::integral_constant<int, 4>{}, t0);
+              run_wide(std::integral_constant<int, 4>{}, t0);
               break;
             case 2:
-              run_group(std::integral_constant<int, 2>{}, t0);
+              run_wide(std::integral_constant<int, 2>{}, t0);
               break;
             default:
               run_group(std::integral_constant<int, 1>{}, t0);
