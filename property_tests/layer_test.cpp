@@ -811,8 +811,7 @@ TEST(LayerKv, KernelRefusesATypeItDoesNotRead) {
                               "' does not read kv_type " + kv_type_name(t);
       EXPECT_EQ(error_of([&] { own.attention_kernel(t); }), "Layer::attention_kernel: " + why);
       std::fill(y.begin(), y.end(), 7.0f);
-      EXPECT_EQ(error_of([&] { own.decode(x.data(), y.data(), cache); }),
-                "Layer::prefill: " + why);
+      EXPECT_EQ(error_of([&] { own.decode(x.data(), y.data(), cache); }), "Layer::prefill: " + why);
       EXPECT_EQ(cache.length(), 0);
       EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float f) { return f == 7.0f; }))
           << kernel.name << " " << kv_type_name(t);
