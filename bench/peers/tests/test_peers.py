@@ -712,25 +712,16 @@ def test_bench_check_rejects_a_peer_returning_zeros() -> None:
     assert "not rejected" not in run.stderr
 
 
-def test_bench_check_rejects_a_reduced_precision_peer_without_its_dominant_key() -> None:
-    """On f16 and bf16 caches the check allows a peer's arithmetic in the type
-    (bench/peers.h, peer_bound); it must still reject a peer that drops each row's dominant
-    key (mha_bench --plant=middle-key, 32768 and 131072 keys)."""
+@pytest.mark.parametrize("plant, kv_types", [("middle-key", "f16|bf16"), ("zeros", "i8")])
+def test_bench_check_rejects_a_reduced_precision_peer(plant: str, kv_types: str) -> None:
+    """On f16 and bf16 caches the check allows a peer's arithmetic in the type, on i8 its own
+    8-bit copy of K and V (bench/peers.h, peer_bound); it must still reject a peer that drops
+    each row's dominant key (f16, bf16: mha_bench --plant=middle-key), or whose answer is
+    zeros (i8, whose bound is wide enough on these inputs that a dropped dominant key passes
+    it: peers.h says so), at 32768 and 131072 keys."""
     run, installed = planted_bench_run(
-        "middle-key", "^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
-        "/kv:(f16|bf16)/threads:1/", kv_type="f16")
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.count("planted answer rejected") >= 2 * len(installed), run.stdout[-2000:]
-    assert "not rejected" not in run.stderr
-
-
-def test_bench_check_rejects_an_i8_peer_returning_zeros() -> None:
-    """On an i8 cache the check allows the peer's own 8-bit copy of K and V (bench/peers.h,
-    peer_bound), a bound wide enough on these inputs that a dropped dominant key passes it
-    (peers.h says so); it must still reject a peer whose answer is zeros."""
-    run, installed = planted_bench_run(
-        "zeros", "^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
-        "/kv:i8/threads:1/", kv_type="i8")
+        plant, "^decode/peer-.*/H:8/Hkv:(1|8)/Lq:1/Lk:(131072|32768)/.*"
+        f"/kv:({kv_types})/threads:1/", kv_type=kv_types.split("|")[0])
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("planted answer rejected") >= 2 * len(installed), run.stdout[-2000:]
     assert "not rejected" not in run.stderr
