@@ -243,7 +243,7 @@ void attention(const std::string& kernel, const Problem& p, const float* q, KvVi
 
 void attention(const KernelInfo& kernel, const Problem& p, const float* q, KvView k, KvView v,
                float* o, float* lse, int threads) {
-  if (kernel.name == nullptr || kernel.fn == nullptr || kernel.workspace == nullptr) {
+  if (!callable(kernel)) {
     throw std::invalid_argument("mha::attention: a KernelInfo needs a name, fn and workspace");
   }
   run(kernel, p, q, k, v, o, lse, threads);

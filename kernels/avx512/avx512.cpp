@@ -576,9 +576,9 @@ MHA_ALWAYS_INLINE __m512 sum_lanes16(const __m512 (&a)[16]) {
 // Decode's prefetch in a row group's loops: as the S and P V steps load a vector of a key or
 // value row of this tile, the same columns of the row `keys` rows further (the next tile's)
 // go into L2, a line per line read, so the next tile streams in at the pace this one is
-// read. `bytes` is that distance (0: no prefetch, e.g. for a group after the tile's first,
-// whose rows are in L1 already); rows at or past `rows` are not prefetched (past the block's
-// last key their offset may overflow: check() bounds a stride only by the keys that use it).
+// read. `bytes` is that distance; rows at or past `rows` are not prefetched (0: none, as for
+// a group after the tile's first, whose rows are in L1 already; past the block's last key
+// their offset may overflow: check() bounds a stride only by the keys that use it).
 struct Ahead {
   std::int64_t bytes = 0;
   std::int64_t rows = 0;

@@ -240,7 +240,7 @@ Layer::Layer(const LayerConfig& config, const LayerWeights& w, const std::string
   gemm_ = gemm.empty() ? &best_gemm() : find_gemm(gemm);
   if (gemm_ == nullptr) fail("Layer", "unknown gemm kernel '" + gemm + "'");
   if (kernel != nullptr) {
-    if (kernel->name == nullptr || kernel->fn == nullptr || kernel->workspace == nullptr) {
+    if (!callable(*kernel)) {
       fail("Layer", "the attention kernel's KernelInfo needs a name, fn and workspace");
     }
     named_ = kernel;

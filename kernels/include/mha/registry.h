@@ -87,6 +87,12 @@ constexpr unsigned kKvF32 = kv_bit(KvType::f32);  ///< fp32 K and V only
 constexpr unsigned kKvAll =                       ///< every KvType
     kv_bit(KvType::f32) | kv_bit(KvType::f16) | kv_bit(KvType::bf16) | kv_bit(KvType::i8);
 
+/// Whether an entry can be called: its name, fn and workspace are set (mha::attention and
+/// Layer refuse one that is not).
+inline bool callable(const KernelInfo& kernel) {
+  return kernel.name != nullptr && kernel.fn != nullptr && kernel.workspace != nullptr;
+}
+
 /// Whether `kernel` reads K and V stored as t.
 inline bool reads(const KernelInfo& kernel, KvType t) { return (kernel.kv_types & kv_bit(t)) != 0; }
 
