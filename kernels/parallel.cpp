@@ -149,8 +149,13 @@ Plan plan(const Problem& p) {
   Plan plan;
   plan.row_block =
       std::clamp(Plan::kUnitRows / (p.q_heads / p.kv_heads), Plan::kMinRowBlock, Plan::kRowBlock);
-  plan.units = p.batch * p.kv_heads * ceil_div(p.q_len, plan.row_block);
-  if (plan.units < Plan::kMinUnits && p.q_len < plan.row_block && p.kv_len >= 2 * Plan::kChunk) {
+  // Whether and where to cut a sequence's KV range depends on that sequence alone (its
+  // lengths and heads), never on the batch: a sequence's bits do not depend on the other
+  // sequences it is batched with.
+  const std::int64_t sequence_units = p.kv_heads * ceil_div(p.q_len, plan.row_block);
+  plan.units = p.batch * sequence_units;
+  if (sequence_units < Plan::kMinUnits && p.q_len < plan.row_block &&
+      p.kv_len >= 2 * Plan::kChunk) {
     plan.chunk = std::max(Plan::kChunk, ceil_div(ceil_div(p.kv_len, Plan::kMaxChunks), 256) * 256);
     plan.chunks = ceil_div(p.kv_len, plan.chunk);
   }
@@ -221,6 +226,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     up.kv_len = u.kv_len;
     up.q_heads = g;
     up.kv_heads = 1;
+    if (p.sinks != nullptr) up.sinks = p.sinks + u.kv * g;
     return up;
   };
   const auto o_at = [&](const Unit& u) {
@@ -250,6 +256,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     } else {
       tp.o = {0, g * D, D};
       tp.lse = {0, u.rows};
+      tp.sinks = nullptr;  // a chunk's part leaves the sink out: the merge counts it once
       kernel(tp, tq, tk, tv, l.parts_o + task.part * bd.part_o,
              l.parts_lse + task.part * bd.part_lse, kws);
     }
@@ -276,8 +283,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
         for (std::int64_t h = 0; h < g; ++h) {
           float* row = o_at(u) + r * p.o.seq + h * p.o.head;
           std::fill(row, row + D, 0.0f);
-          if (lse != nullptr)
-            lse_at(u)[h * p.lse.head + r] = -std::numeric_limits<float>::infinity();
+          if (lse != nullptr) lse_at(u)[h * p.lse.head + r] = sink_of(p, u.kv * g + h);
         }
       }
       continue;

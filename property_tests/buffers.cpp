@@ -62,6 +62,11 @@ Inputs make_inputs(const Case& c) {
   Inputs in;
   Problem& p = in.p;
   p = c.p;
+  // One per query head, repeating the drawn ones when a test changed q_heads after drawing.
+  for (std::int64_t h = 0; h < p.q_heads && !c.sinks.empty(); ++h) {
+    in.sinks.push_back(c.sinks[static_cast<std::size_t>(h) % c.sinks.size()]);
+  }
+  p.sinks = in.sinks.empty() ? nullptr : in.sinks.data();  // the buffer moves with Inputs
   const std::int64_t B = p.batch, H = p.q_heads, Hkv = p.kv_heads, D = p.head_dim;
   p.q = padded_strides(c.q_layout, B, p.q_len, H, D, c.pad);
   p.k = padded_strides(c.kv_layout, B, p.kv_len, Hkv, D, c.k_pad);

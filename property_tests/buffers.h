@@ -47,6 +47,7 @@ struct Inputs {
   Guarded arena;
   float *q = nullptr, *k = nullptr, *v = nullptr;
   std::vector<float> before;  ///< snapshot of the arena, to prove inputs are not written
+  std::vector<float> sinks;   ///< p.sinks points here when the case has sinks
 };
 Inputs make_inputs(const Case& c);
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iomanip>
+#include <limits>
 #include <vector>
 
 namespace mha::test {
@@ -96,6 +97,10 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
      << " pad(q,k,v)=" << c.pad << "," << c.k_pad << "," << c.v_pad << " misalign=" << c.misalign
      << " storage=" << name(c.storage) << " values=" << name(c.values)
      << " value_scale=" << c.value_scale << " seed=" << c.seed;
+  if (!c.sinks.empty()) {
+    os << " sinks=";
+    for (std::size_t h = 0; h < c.sinks.size(); ++h) os << (h > 0 ? "," : "") << c.sinks[h];
+  }
   return os;
 }
 
@@ -239,13 +244,24 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
         c.storage = Storage::separate;
       }
     }
+    double typical = 1.0;  // a typical logit's magnitude
     if (c.values == Values::large_logits) {
       // q, k uniform in [-a, a]: logits have standard deviation about a^2/3 * |scale| *
       // sqrt(D); pick a so that typical logits are 1..3000 (the largest about 1e4).
-      const double typical = std::pow(10.0, *unsized(rc::gen::inRange(0, 349)) / 100.0);
+      typical = std::pow(10.0, *unsized(rc::gen::inRange(0, 349)) / 100.0);
       const double per_scale =
           std::fabs(static_cast<double>(p.scale)) * std::sqrt(static_cast<double>(p.head_dim));
       c.value_scale = std::sqrt(3.0 * typical / per_scale);
+    }
+    if (o.any_sinks && *unsized(rc::gen::inRange(0, 4)) == 0) {
+      // Per head: 1 in 8 -inf (no sink), else within 8 typical logits either way, so that a
+      // sink may weigh little, as much as the keys, or nearly everything.
+      c.sinks.resize(static_cast<std::size_t>(p.q_heads));
+      for (float& sink : c.sinks) {
+        const int x = *unsized(rc::gen::inRange(-800, 801));
+        sink = *unsized(rc::gen::inRange(0, 8)) == 0 ? -std::numeric_limits<float>::infinity()
+                                                     : static_cast<float>(x / 100.0 * typical);
+      }
     }
     c.seed = *rc::gen::arbitrary<std::uint64_t>();
     return c;

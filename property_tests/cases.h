@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <vector>
 
 namespace mha::test {
 
@@ -43,6 +44,8 @@ struct Case {
   Values values = Values::uniform;
   double value_scale = 1.0;  ///< multiplies q and k for large_logits
   std::uint64_t seed = 0;    ///< for the values
+  /// Attention sinks, one per query head (empty: none): make_inputs points p.sinks at a copy.
+  std::vector<float> sinks;
 };
 
 std::ostream& operator<<(std::ostream& os, const Case& c);
@@ -68,6 +71,7 @@ struct CaseOptions {
   bool any_values = true;      ///< vary Values; false keeps uniform
   bool any_scale = true;       ///< sometimes a non-default (possibly negative) scale
   bool equal_lengths = false;  ///< force q_len == kv_len (prefill)
+  bool any_sinks = true;       ///< 1 in 4: attention sinks (Problem::sinks)
   /// Only long decodes: Lq <= 3, Lk from 16383 to 131072, the sensitive values (reference/
   /// sensitive.h), work up to shape.max_work / 4 and K up to 2^21 floats.
   bool long_decode = false;

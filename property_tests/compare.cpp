@@ -30,14 +30,15 @@ bool close(double got, double want, double bound) {
 
 // Rows [row0, row0 + rows) of p, every head and column: got_* against want_* (indexed by
 // p's row) within scale times the row's tolerance. A row that sees no key must be exactly
-// zeros with lse = -inf on both sides; an infinite expected lse must be matched exactly.
+// zeros with lse = -inf (its head's sink) on both sides; an infinite expected lse must be
+// matched exactly.
 template <typename GotO, typename GotLse, typename WantO, typename WantLse>
 void compare_rows(const Problem& p, std::int64_t row0, std::int64_t rows, const Tolerance& tol,
                   double scale, const std::string& what, GotO got_o, GotLse got_lse, WantO want_o,
                   WantLse want_lse) {
-  const double neg_inf = -std::numeric_limits<double>::infinity();
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      const double empty_lse = sink_of(p, h);
       for (std::int64_t i = row0; i < row0 + rows; ++i) {
         const bool masked = visible_keys(p, i) == 0;
         const std::size_t r = tol.row(b, h, i);
@@ -48,7 +49,7 @@ void compare_rows(const Problem& p, std::int64_t row0, std::int64_t rows, const 
         }
         const double got = got_lse(b, h, i), want = want_lse(b, h, i);
         const bool ok =
-            masked ? got == neg_inf && want == neg_inf
+            masked ? got == empty_lse && want == empty_lse
                    : (std::isinf(want) ? got == want : close(got, want, scale * tol.lse[r]));
         if (!ok) fail(what, "lse", b, h, i, -1, got, want, scale * tol.lse[r]);
       }

@@ -30,5 +30,8 @@ void split_kv_decoding_matches_reference(const KernelInfo& kernel,
 /// and gives the same bits on 1 thread and on 2 to 4.
 void thread_count_does_not_change_a_bit(const KernelInfo& kernel,
                                         const ParallelDriver& driver = ParallelDriver());
+/// and gives a sequence the same bits alone and first in a batch of others.
+void batch_does_not_change_a_sequence(const KernelInfo& kernel,
+                                      const ParallelDriver& driver = ParallelDriver());
 
 }  // namespace mha::test

@@ -84,10 +84,13 @@ TEST_P(Metamorphic, KvPermutationInvariance) {
 }
 
 // Softmax weights sum to one, so a value column that is constant along the sequence comes
-// out unchanged: only the accumulation errors remain, whatever the logits.
+// out unchanged: only the accumulation errors remain, whatever the logits. (Not with sinks,
+// whose weights the keys' do not include.)
 TEST_P(Metamorphic, ConstantValuesComeOutUnchanged) {
+  CaseOptions options;
+  options.any_sinks = false;
   check_property([&] {
-    Case c = *gen_case();
+    Case c = *gen_case(options);
     c.values = Values::constant_v;
     if (c.storage == Storage::shared_kv) c.storage = Storage::separate;
     const Inputs in = make_inputs(c);
@@ -110,7 +113,8 @@ TEST_P(Metamorphic, ConstantValuesComeOutUnchanged) {
 }
 
 // Each output is a convex combination of the visible value rows, so it lies within their
-// per-column minimum and maximum (up to the accumulation error).
+// per-column minimum and maximum (up to the accumulation error); with a sink, of those rows
+// and a row of zeros (the sink's weight).
 TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
   check_property([&] {
     const Case c = *gen_case();
@@ -126,6 +130,7 @@ TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
           const double slack = tol.accumulation[tol.row(b, h, i)];
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+            if (sink_of(p, h) != -std::numeric_limits<float>::infinity()) lo = hi = 0.0;
             for (std::int64_t j = 0; j < n; ++j) {
               const double x = in.v[b * p.v.batch + j * p.v.seq + (h / g) * p.v.head + d];
               lo = std::min(lo, x);
@@ -217,7 +222,8 @@ TEST_P(Metamorphic, DecodeStepsEqualCausalPrefill) {
   });
 }
 
-// Causal rows that see no key (q_len > kv_len) are exactly zero with lse = -inf, never NaN.
+// Causal rows that see no key (q_len > kv_len) are exactly zero with lse = -inf (or their
+// head's sink), never NaN.
 TEST_P(Metamorphic, FullyMaskedRowsAreZeros) {
   CaseOptions options;
   options.causal = 1;
@@ -232,7 +238,7 @@ TEST_P(Metamorphic, FullyMaskedRowsAreZeros) {
       for (std::int64_t h = 0; h < p.q_heads; ++h)
         for (std::int64_t i = 0; i < masked; ++i) {
           for (std::int64_t d = 0; d < p.head_dim; ++d) RC_ASSERT(out.o_at(p, b, h, i, d) == 0.0f);
-          RC_ASSERT(out.lse_at(p, b, h, i) == -std::numeric_limits<float>::infinity());
+          RC_ASSERT(out.lse_at(p, b, h, i) == sink_of(p, h));
         }
   });
 }
@@ -285,9 +291,29 @@ TEST_P(Metamorphic, NonFiniteInputsPropagate) {
   });
 }
 
+// A sink of -inf is no sink (Problem::sinks): the same bits of o and lse.
+TEST_P(Metamorphic, MinusInfiniteSinksAreNone) {
+  CaseOptions options;
+  options.any_sinks = false;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Outputs none = run(call_kernel(kernel()), kernel().name, in);
+    const std::vector<float> sinks(static_cast<std::size_t>(in.p.q_heads),
+                                   -std::numeric_limits<float>::infinity());
+    Problem p = in.p;
+    p.sinks = sinks.data();
+    const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
+    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
+    RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
+    RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+  });
+}
+
 // Partial results over KV chunks merged by their lse equal the whole (mha::merge). Chunks
 // of a causal problem end at or before key kv_len - q_len + 1 (seen whole by every row,
-// so non-causal) except the last, which stays causal.
+// so non-causal) except the last, which stays causal. With sinks, the chunks run without
+// them and the merge counts each once (one more part in the tolerance).
 TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
   check_property([&] {
     const Case c = *gen_case();
@@ -312,6 +338,7 @@ TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
       Problem chunk = p;
       chunk.kv_len = cuts[t + 1] - cuts[t];
       chunk.causal = p.causal && t + 2 == cuts.size();
+      chunk.sinks = nullptr;
       parts.push_back(run(call_kernel(kernel()), kernel().name, chunk, in, in.q,
                           in.k + cuts[t] * p.k.seq, in.v + cuts[t] * p.v.seq,
                           static_cast<std::int64_t>(t)));
@@ -331,8 +358,9 @@ TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
     list.lse_strides = p.lse;
     merge(p, list, merged.o.data(), merged.lse.data());
 
+    const double sink_part = p.sinks != nullptr ? 1.0 : 0.0;
     const Tolerance tol = merged_tolerance(tolerance(p, in.q, in.k, in.v, kernel().exp_ulp),
-                                           static_cast<double>(parts.size()));
+                                           static_cast<double>(parts.size()) + sink_part);
     expect_close(p, merged, ref::attention(p, in.q, in.k, in.v), tol, 1.0,
                  "merged over " + std::to_string(parts.size()) + " KV chunks");
 

@@ -1,6 +1,7 @@
 // The thread-parallel driver with every registry kernel as its worker: equivalence to the
-// reference (including split-KV decoding, merged by lse) and bit-identical output for any
-// thread count (the properties are in driver_properties.cpp).
+// reference (including split-KV decoding, merged by lse), bit-identical output for any
+// thread count and for a sequence whatever its batch (the properties are in
+// driver_properties.cpp).
 #include "driver_properties.h"
 #include "kernel_test.h"
 #include "run.h"
@@ -20,6 +21,10 @@ TEST_P(Driver, SplitKvDecodingMatchesReference) {
 
 TEST_P(Driver, ThreadCountDoesNotChangeABit) {
   check_property([&] { thread_count_does_not_change_a_bit(kernel()); });
+}
+
+TEST_P(Driver, BatchDoesNotChangeASequence) {
+  check_property([&] { batch_does_not_change_a_sequence(kernel()); });
 }
 
 MHA_INSTANTIATE_FOR_KERNELS(Driver);

@@ -22,7 +22,13 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
       const std::int64_t kv_head = h / group;
       for (std::int64_t i = row_begin; i < row_end; ++i) {
         const std::int64_t n = visible_keys(p, i);
-        if (n == 0) continue;
+        // Head h's sink: one more logit in the max and the sum, with no value.
+        const double sink = p.sinks != nullptr ? static_cast<double>(p.sinks[h])
+                                               : -std::numeric_limits<double>::infinity();
+        if (n == 0) {
+          r.lse[static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i)] = sink;
+          continue;
+        }
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
         // Pass 1: logits (products of a float and a K value are exact in double, but for
         // an i8 value q s times a float: 8 + 24 + 24 bits, rounded once, 2^-53) and their max.
@@ -38,9 +44,10 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
           nan |= std::isnan(score[static_cast<std::size_t>(j)]);
           m = std::fmax(m, score[static_cast<std::size_t>(j)]);
         }
-        if (nan) m = std::numeric_limits<double>::quiet_NaN();
-        // Pass 2: weights, their sum, and the weighted sum of values.
-        double sum = 0.0;
+        m = nan ? std::numeric_limits<double>::quiet_NaN() : std::fmax(m, sink);
+        // Pass 2: weights, their sum (the sink's weight included), and the weighted sum of
+        // values.
+        double sum = sink == -std::numeric_limits<double>::infinity() ? 0.0 : std::exp(sink - m);
         for (std::int64_t j = 0; j < n; ++j) {
           score[static_cast<std::size_t>(j)] = std::exp(score[static_cast<std::size_t>(j)] - m);
           sum += score[static_cast<std::size_t>(j)];

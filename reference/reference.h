@@ -48,8 +48,9 @@ inline KvRow v_row(const Problem& p, const KvView& v, std::int64_t b, std::int64
 }
 
 /// Attention of the problem p (strides as p says) over the inputs, K and V of p.kv_type
-/// taken at their exact values (kv_row). Rows that see no key
-/// are zeros with lse -inf; NaN in the inputs propagates. Runs only the query rows
+/// taken at their exact values (kv_row), with p's sinks (each one more logit in the max and
+/// the sum). Rows that see no key are zeros with lse -inf (the sink, with one); NaN in the
+/// inputs propagates. Runs only the query rows
 /// [row_begin, row_end) of every head when given (others are left zero), so a caller can
 /// check a sample of rows of a large problem.
 Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int64_t row_begin = 0,

@@ -61,14 +61,19 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
       for (std::int64_t i = row_begin; i < row_end; ++i) {
-        const std::int64_t n = visible_keys(p, i);
-        if (n == 0) continue;  // exact zeros and -inf are required
+        const std::int64_t keys = visible_keys(p, i);
+        if (keys == 0) continue;  // exact zeros and -inf (or the sink) are required
+        // Step 7: a sink is one more key, of logit sinks[h] and value 0.
+        const double sink = p.sinks != nullptr ? static_cast<double>(p.sinks[h])
+                                               : -std::numeric_limits<double>::infinity();
+        const bool has_sink = std::isfinite(sink);
+        const std::int64_t n = keys + (has_sink ? 1 : 0);
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
         // Exact logits, A, V and the most nonzero products of a dot product.
         double a = 0.0, vmax = 0.0, top = -std::numeric_limits<double>::infinity();
         std::int64_t nonzero = 0;
-        logit.resize(static_cast<std::size_t>(n));
-        for (std::int64_t j = 0; j < n; ++j) {
+        logit.resize(static_cast<std::size_t>(keys));
+        for (std::int64_t j = 0; j < keys; ++j) {
           const KvRow key = k_row(p, k, b, j, kv_head);
           const KvRow value = v_row(p, v, b, j, kv_head);
           double dot = 0.0, abs_dot = 0.0;
@@ -84,6 +89,11 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
           nonzero = std::max(nonzero, products);
           logit[static_cast<std::size_t>(j)] = static_cast<double>(p.scale) * dot;
           top = std::max(top, logit[static_cast<std::size_t>(j)]);
+        }
+        if (has_sink) {
+          a = std::max(a, std::fabs(sink));
+          top = std::max(top, sink);
+          logit.push_back(sink);
         }
         const double u = kU;
         const double delta = gamma(static_cast<double>(nonzero) + 5.0 + kv_roundings) * a;
@@ -123,7 +133,8 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
         t.accumulation[r] = accumulation * vmax;
         t.o[r] = (weight_shift(eta) + accumulation + kv_roundings * u) * vmax;
         t.lse[r] = std::log1p(eta) - std::log1p(-std::min(g, 0.5)) +
-                   (4.0 + exp_ulp) * 2.0 * u * (a + std::log(static_cast<double>(n)) + 1.0);
+                   (4.0 + exp_ulp + (has_sink ? 1.0 : 0.0)) * 2.0 * u *
+                       (a + std::log(static_cast<double>(n)) + 1.0);
       }
     }
   }

@@ -63,6 +63,12 @@
 //    most u |v|, which moves the weighted mean by at most u V: tol_o gains u V. (For
 //    normal products q s; the property tests' scales keep them so.)
 //
+// 7. Sinks (Problem::sinks). A row's sink is one more key of logit sinks[h] and value 0: it
+//    joins A (|sink|), the top logit, the key count n (one more term of the denominator, which
+//    also covers the rounding of l + exp(sink - m) to fp32) and step 3's split; V is unchanged.
+//    Folding it into lse (a log-add-exp in double, rounded once) rounds once more: (5 +
+//    exp_ulp) in tol_lse.
+//
 // Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
 // loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
 // head mapping, a doubled scale, a skipped key, a dropped tail of D or lse in the wrong

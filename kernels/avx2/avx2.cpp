@@ -401,9 +401,11 @@ struct Avx2 {
 
   // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
   // blocked's finish_row).
-  static void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
-                         float* o, float* lse) {
-    const __m256 lv = _mm256_set1_ps(l);  // a division: one rounding, as the tolerance assumes
+  static void finish_row(const float* acc, float m, float l, float sink, std::int64_t visible,
+                         std::int64_t dim, float* o, float* lse) {
+    const mha::RowEnd end = mha::support::row_end_base2(m, l, sink);
+    // A division: one rounding, as the tolerance assumes.
+    const __m256 lv = _mm256_set1_ps(end.divisor);
     for (std::int64_t d = 0; d < dim; d += 8) {
       const __m256 x =
           visible == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(acc + d), lv);
@@ -414,8 +416,7 @@ struct Avx2 {
       }
     }
     if (lse == nullptr) return;
-    *lse =
-        visible == 0 ? -std::numeric_limits<float>::infinity() : mha::support::row_lse_base2(m, l);
+    *lse = visible == 0 ? sink : end.lse;
   }
 
   // ---- Decode (see "Decode" above) ----------------------------------------------------

@@ -169,16 +169,17 @@ void accumulate_pv(const float* p, std::int64_t cols, const float* v, std::int64
 
 // o = acc / l and lse = m + log(l) for a row that sees `visible` keys in all.
 // acc, o: [head_dim]
-void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t head_dim,
-                float* o, float* lse) {
-  if (visible == 0) {  // the contract: zeros and -inf, not 0 / 0
+void finish_row(const float* acc, float m, float l, float sink, std::int64_t visible,
+                std::int64_t head_dim, float* o, float* lse) {
+  if (visible == 0) {  // the contract: zeros and the sink (-inf without), not 0 / 0
     for (std::int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
-    if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
+    if (lse != nullptr) *lse = sink;
     return;
   }
+  const mha::RowEnd end = mha::support::row_end(m, l, sink);
   // A division rather than a multiply by 1 / l: one rounding, as the tolerance assumes.
-  for (std::int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] / l;
-  if (lse != nullptr) *lse = mha::support::row_lse(m, l);
+  for (std::int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] / end.divisor;
+  if (lse != nullptr) *lse = end.lse;
 }
 
 // The kernel's arrays in the caller's workspace, sized for the largest block.
@@ -247,8 +248,9 @@ void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const 
 void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
                   float* lse) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    finish_row(s.acc + t * p.head_dim, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)),
-               p.head_dim, block.o_row(p, o, t), block.lse_at(p, lse, t));
+    finish_row(s.acc + t * p.head_dim, s.m[t], s.l[t], mha::sink_of(p, block.head(t)),
+               mha::visible_keys(p, block.row(t)), p.head_dim, block.o_row(p, o, t),
+               block.lse_at(p, lse, t));
   }
 }
 

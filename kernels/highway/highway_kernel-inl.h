@@ -299,16 +299,17 @@ inline void OnlineSoftmax(float* s, std::int64_t cols, const float* rowmax, floa
 }
 
 // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys.
-inline void FinishRow(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
-                      float* o, float* lse) {
+inline void FinishRow(const float* acc, float m, float l, float sink, std::int64_t visible,
+                      std::int64_t dim, float* o, float* lse) {
   const D d;
-  const V lv = hn::Set(d, l);  // a division: one rounding, as the tolerance assumes
+  const mha::RowEnd end = mha::support::row_end_base2(m, l, sink);
+  const V lv = hn::Set(d, end.divisor);  // a division: one rounding, as the tolerance assumes
   for (std::int64_t i = 0; i < dim; i += Lanes()) {
     const V x = visible == 0 ? hn::Zero(d) : hn::Div(hn::LoadU(d, acc + i), lv);
     StorePart(x, dim - i, o + i);
   }
   if (lse == nullptr) return;
-  *lse = visible == 0 ? NegInf() : mha::support::row_lse_base2(m, l);
+  *lse = visible == 0 ? sink : end.lse;
 }
 
 // ---- Decode -----------------------------------------------------------------------------
@@ -461,9 +462,9 @@ struct Ops {
                              float* alpha) {
     OnlineSoftmax(s, cols, rowmax, m, l, alpha);
   }
-  static void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
-                         float* o, float* lse) {
-    FinishRow(acc, m, l, visible, dim, o, lse);
+  static void finish_row(const float* acc, float m, float l, float sink, std::int64_t visible,
+                         std::int64_t dim, float* o, float* lse) {
+    FinishRow(acc, m, l, sink, visible, dim, o, lse);
   }
 
   template <class Step>

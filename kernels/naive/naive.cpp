@@ -2,7 +2,8 @@
 // KvType (each element widened to fp32 as it is read: mha/kv_types.h's value_at).
 //
 // For each (batch, query head, query row): the full score row s = scale * q K^T over the
-// visible keys, a stable softmax (subtract the row max, exp, sum), then o = softmax(s) V.
+// visible keys, a stable softmax (subtract the row max, exp, sum; the head's sink joins the
+// sum: mha::sink_row_end), then o = softmax(s) V.
 // Layout: any strides mha::check accepts; reads only the elements the strides address,
 // writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
 // caller's; the kernel allocates nothing; SIZE_MAX when kv_len floats overflow size_t).
@@ -57,11 +58,19 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
           m = score[j] > m ? score[j] : m;
         }
 
+        // With a sink, weights relative to 0 when every logit is -inf, so that they are 0 and
+        // the sink alone weighs (mha::sink_row_end); without one, exp(-inf - -inf) is NaN, as
+        // the contract has it.
+        const float sink = mha::sink_of(p, h);
+        const float inf = std::numeric_limits<float>::infinity();
+        const float shift = m == -inf && sink != -inf ? 0.0f : m;
         float sum = 0.0f;
         for (std::int64_t j = 0; j < n; ++j) {
-          score[j] = std::exp(score[j] - m);
+          score[j] = std::exp(score[j] - shift);
           sum += score[j];
         }
+        const mha::RowEnd end = sink == -inf ? mha::RowEnd{sum, m + std::log(sum)}
+                                             : mha::sink_row_end(shift, sum, sink);
 
         for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] = 0.0f;
         for (std::int64_t j = 0; j < n; ++j) {
@@ -72,12 +81,9 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
           }
         }
         if (n > 0) {
-          for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] /= sum;
+          for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] /= end.divisor;
         }
-        if (lse != nullptr) {
-          lse[b * p.lse.batch + h * p.lse.head + i] =
-              n > 0 ? m + std::log(sum) : -std::numeric_limits<float>::infinity();
-        }
+        if (lse != nullptr) lse[b * p.lse.batch + h * p.lse.head + i] = n > 0 ? end.lse : sink;
       }
     }
   }

@@ -491,19 +491,21 @@ void online_softmax(float* s, std::int64_t cols, float* m, float* l, float* acc,
 }
 
 // o = acc / l and lse = m + log(l) (see blocked's finish_row).
-void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t head_dim,
-                float* o, float* lse) {
+void finish_row(const float* acc, float m, float l, float sink, std::int64_t visible,
+                std::int64_t head_dim, float* o, float* lse) {
   std::int64_t d = 0;
   if (visible == 0) {
     for (; d + 4 <= head_dim; d += 4) vst1q_f32(o + d, vdupq_n_f32(0.0f));
     for (; d < head_dim; ++d) o[d] = 0.0f;
-    if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
+    if (lse != nullptr) *lse = sink;
     return;
   }
-  const float32x4_t lv = vdupq_n_f32(l);  // a division: one rounding, as the tolerance assumes
+  const mha::RowEnd end = mha::support::row_end(m, l, sink);
+  // A division: one rounding, as the tolerance assumes.
+  const float32x4_t lv = vdupq_n_f32(end.divisor);
   for (; d + 4 <= head_dim; d += 4) vst1q_f32(o + d, vdivq_f32(vld1q_f32(acc + d), lv));
-  for (; d < head_dim; ++d) o[d] = acc[d] / l;
-  if (lse != nullptr) *lse = mha::support::row_lse(m, l);
+  for (; d < head_dim; ++d) o[d] = acc[d] / end.divisor;
+  if (lse != nullptr) *lse = end.lse;
 }
 
 // The kernel's arrays in the caller's workspace, sized for the largest block. Row strides
@@ -601,8 +603,9 @@ void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const 
 void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
                   float* lse) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    finish_row(s.acc + t * s.ld_acc, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)), p.head_dim,
-               block.o_row(p, o, t), block.lse_at(p, lse, t));
+    finish_row(s.acc + t * s.ld_acc, s.m[t], s.l[t], mha::sink_of(p, block.head(t)),
+               mha::visible_keys(p, block.row(t)), p.head_dim, block.o_row(p, o, t),
+               block.lse_at(p, lse, t));
   }
 }
 
@@ -933,8 +936,9 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
     }
 
     for (std::int64_t t = 0; t < block.rows; ++t) {
-      finish_row(s.acc + t * s.ld_acc, m[t], l[t], mha::visible_keys(p, block.row(t)), dim,
-                 block.o_row(p, o, t), block.lse_at(p, lse, t));
+      finish_row(s.acc + t * s.ld_acc, m[t], l[t], mha::sink_of(p, block.head(t)),
+                 mha::visible_keys(p, block.row(t)), dim, block.o_row(p, o, t),
+                 block.lse_at(p, lse, t));
     }
   });
 }

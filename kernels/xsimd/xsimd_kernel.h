@@ -347,15 +347,16 @@ struct Attention {
 
   // o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
   // blocked's finish_row).
-  static void finish_row(const float* acc, float m, float l, std::int64_t visible, std::int64_t dim,
-                         float* o, float* lse) {
-    const Batch lv(l);  // a division: one rounding, as the tolerance assumes
+  static void finish_row(const float* acc, float m, float l, float sink, std::int64_t visible,
+                         std::int64_t dim, float* o, float* lse) {
+    const mha::RowEnd end = mha::support::row_end_base2(m, l, sink);
+    const Batch lv(end.divisor);  // a division: one rounding, as the tolerance assumes
     for (std::int64_t d = 0; d < dim; d += kWidth) {
       const Batch x = visible == 0 ? Batch(0.0f) : Batch::load_aligned(acc + d) / lv;
       store_part(o + d, dim - d, x);
     }
     if (lse == nullptr) return;
-    *lse = visible == 0 ? neg_inf() : mha::support::row_lse_base2(m, l);
+    *lse = visible == 0 ? sink : end.lse;
   }
 
   // ---- Decode -------------------------------------------------------------------------

@@ -124,6 +124,7 @@ std::vector<Property> properties(const KernelInfo& kernel, const ParallelDriver*
       {"split-KV", [kernel, d] { split_kv_decoding_matches_reference(kernel, d); }},
       {"reference", [kernel, d] { driver_matches_reference(kernel, d); }},
       {"threads", [kernel, d] { thread_count_does_not_change_a_bit(kernel, d); }},
+      {"batch", [kernel, d] { batch_does_not_change_a_sequence(kernel, d); }},
   };
 }
 

@@ -18,6 +18,9 @@
 //   `is_causal` aligns top-left instead; the two differ whenever q_len != kv_len.)
 // * A row that sees no key (causal with q_len > kv_len) outputs zeros and lse = -inf,
 //   never NaN.
+// * Attention sinks (Problem::sinks, gpt-oss): a logit per query head that joins the
+//   softmax's denominator only, lse[b][h][i] = log(sum_j exp(s[j]) + exp(sinks[h])) and
+//   o = sum_j exp(s[j] - lse) v[j]; a row that sees no key gets o = 0 and lse = sinks[h].
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.
@@ -114,6 +117,14 @@ struct Problem {
   /// (KvView::scale) with strides k_scale (dim unused); likewise v. Ignored for other types.
   KvType kv_type = KvType::f32;
   Strides k_scale, v_scale;
+  /// Attention sinks: null (none), or one logit per query head, sinks[h] for h < q_heads,
+  /// in the units of the scaled logits s. Head h's sink joins its softmax's denominator and
+  /// nothing else: lse = log(sum_j exp(s_j) + exp(sinks[h])), o = sum_j exp(s_j - lse) v_j,
+  /// so a row's weights sum to less than one; a row that sees no key gets o = 0 and lse =
+  /// sinks[h]. Each is finite or -inf (check()); -inf is no sink, bit for bit. lse includes
+  /// the sink, so partial results over KV chunks are computed without it (sinks = null) and
+  /// mha::merge adds it once. A sub-problem of heads [h0, h0 + n) takes sinks + h0.
+  const float* sinks = nullptr;
 };
 
 /// K or V as a kernel reads it: the elements, of the problem's kv_type, and for i8 the
@@ -197,6 +208,36 @@ inline std::int64_t visible_keys(const Problem& p, std::int64_t row) {
   if (!p.causal) return p.kv_len;
   const std::int64_t n = row + 1 + (p.kv_len - p.q_len);
   return n < 0 ? 0 : (n > p.kv_len ? p.kv_len : n);
+}
+
+/// Query head h's sink logit (Problem::sinks), -inf when p has none.
+inline float sink_of(const Problem& p, std::int64_t head) {
+  return p.sinks != nullptr ? p.sinks[head] : -std::numeric_limits<float>::infinity();
+}
+
+/// How a row of a softmax ends: o = acc / divisor, and its lse.
+struct RowEnd {
+  float divisor;
+  float lse;
+};
+
+/// A row's end with a sink of logit `sink` (finite; -inf needs no call) folded in, from the
+/// row's sum l = sum_j exp(s_j - shift) over the keys it saw (at least one) and the shift its
+/// weights were taken relative to (natural-log units; a base-2 kernel passes its shift times
+/// ln 2), so that o = acc / divisor with acc = sum_j exp(s_j - shift) v_j: divisor = l +
+/// exp(sink - shift), lse = log(exp(shift) l + exp(sink)), each evaluated in double and rounded
+/// once (a divisor past fp32's range is inf: the row's weights all round to 0). l == 0 (every
+/// logit -inf) leaves the sink alone: o = acc / inf = 0, lse = sink. NaN in l or shift
+/// propagates to both.
+inline RowEnd sink_row_end(double shift, float l, float sink) {
+  const double inf = std::numeric_limits<double>::infinity();
+  if (l == 0.0f) return {static_cast<float>(inf), sink};
+  const double s = sink;
+  const double lse = shift + std::log(static_cast<double>(l));
+  const double hi = std::max(lse, s), lo = std::min(lse, s);
+  const double sum_lse = std::isnan(lse) ? lse : hi + std::log1p(std::exp(lo - hi));
+  return {static_cast<float>(static_cast<double>(l) + std::exp(s - shift)),
+          static_cast<float>(sum_lse)};
 }
 
 /// Scratch memory a caller owns and lends to one kernel call: `bytes` bytes at `data`,
@@ -400,8 +441,8 @@ inline std::string str(std::int64_t v) { return std::to_string(v); }
 
 }  // namespace detail
 
-/// Validates shapes, strides and scale. Returns an empty string when the problem is valid,
-/// otherwise one message naming the field and the constraint it breaks.
+/// Validates shapes, strides, scale and the sinks' values. Returns an empty string when the problem
+/// is valid, otherwise one message naming the field and the constraint it breaks.
 inline std::string check(const Problem& p) {
   using detail::str;
   const struct {
@@ -470,6 +511,15 @@ inline std::string check(const Problem& p) {
       std::int64_t highest = 0;
       if (!detail::highest_offset(extent, stride, 3, &highest)) {
         return "highest offset of " + std::string(t.name) + " overflows int64_t bytes";
+      }
+    }
+  }
+
+  if (p.sinks != nullptr) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      const float s = p.sinks[h];
+      if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
+        return "sinks[" + str(h) + "] (" + std::to_string(s) + ") must be finite or -inf";
       }
     }
   }
@@ -550,7 +600,9 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
         const std::int64_t part_off =
             b * parts.o_strides.batch + i * parts.o_strides.seq + h * parts.o_strides.head;
         float* out = o + b * p.o.batch + i * p.o.seq + h * p.o.head;
-        float m = neg_inf;
+        // The sink is one more part, of o = 0: it weighs in the sum once, whatever the count.
+        const float sink = sink_of(p, h);
+        float m = sink;
         bool nan = false;
         for (int c = 0; c < parts.count; ++c) {
           const float l = parts.lse[c][lse_off];
@@ -570,6 +622,7 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
             weight[c] = std::exp(parts.lse[c][lse_off] - m);  // exp(-inf) == 0
             sum += weight[c];
           }
+          if (sink != neg_inf) sum += std::exp(sink - m);
           for (int c = 0; c < parts.count; ++c) weight[c] /= sum;
           result_lse = m + std::log(sum);
         }
@@ -596,8 +649,11 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 /// Merges partial results exactly: with m = max_c lse_c and w_c = exp(lse_c - m),
 ///   o = sum_c w_c o_c / sum_c w_c,   lse = m + log(sum_c w_c).
 /// A part whose lse is -inf saw no key and contributes nothing; when every part is -inf the
-/// row is zeros with lse -inf. NaN in any part propagates. Shapes and the output strides
-/// (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place) when
+/// row is zeros with lse -inf. NaN in any part propagates. With sinks (p.sinks), the parts
+/// are results without them (computed with sinks = null) and the sink of head h is counted
+/// once, as one more part of o = 0 and lse = sinks[h]: m and the sum of w_c include it, so
+/// the merged o and lse are those of the whole problem with its sinks. Shapes and the output
+/// strides (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place) when
 /// parts.o_strides equals p.o, since every row is read before it is written. Throws
 /// std::invalid_argument on bad input: a problem check() rejects, null pointers, or part
 /// strides that are negative or address more than int64_t bytes. Allocates parts.count +

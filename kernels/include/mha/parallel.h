@@ -22,13 +22,17 @@ namespace mha {
 ///   (g = 32) gets 16-row blocks. Rows are sliced with bottom-right causal alignment
 ///   (DESIGN.md, section 4): rows [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no
 ///   key is written as zeros and lse = -inf by the driver itself.
-/// * Split-KV: when there are fewer units than kMinUnits, the units are short of rows
+/// * Split-KV: when a sequence (one batch element) has fewer units than kMinUnits, the units are
+/// short of rows
 ///   (q_len below the row block: decoding) and the KV length is long, each unit's KV range
 ///   is cut into chunks (a prefill of few heads is not: its units are whole, and splitting
 ///   them only adds merges, 15% at H = 4, L = 1024, D = 256); each chunk runs with lse into
 ///   workspace and the chunks are merged exactly (mha::merge's arithmetic). Chunks of a causal unit
 ///   end at or before key kv_len - q_len + r1 - rows + 1, so that every row sees them whole, except
-///   the last, which stays causal.
+///   the last, which stays causal. The cut depends on the sequence alone (its lengths and
+///   heads), not on the batch size, so a sequence's output does not depend on the thread count
+///   or on the other sequences in its batch. With sinks (Problem::sinks), the chunks run without
+///   them and the merge counts each once.
 struct Plan {
   static constexpr std::int64_t kUnitRows = 512;  ///< rows of all g heads per unit, about
   /// Query rows per unit at most: 512, so that an MHA unit (g = 1) is a whole avx512 block

@@ -119,6 +119,20 @@ inline float row_lse_base2(float m, float l) {
                             std::log(static_cast<double>(l)));
 }
 
+/// How a row ends (o = acc / divisor, and its lse) from its running max m and sum l of
+/// exp(s - m) (natural-log logits), with its head's sink logit (mha::sink_of: -inf for
+/// none, which gives l and row_lse exactly).
+inline RowEnd row_end(float m, float l, float sink) {
+  if (sink == -std::numeric_limits<float>::infinity()) return {l, row_lse(m, l)};
+  return sink_row_end(logit_shift(m), l, sink);
+}
+
+/// The same for base-2 logits (s log2(e)) and l = sum 2^(s - m).
+inline RowEnd row_end_base2(float m, float l, float sink) {
+  if (sink == -std::numeric_limits<float>::infinity()) return {l, row_lse_base2(m, l)};
+  return sink_row_end(static_cast<double>(logit_shift(m)) * kLn2, l, sink);
+}
+
 /// Lays arrays out one after another in a workspace, each on a 64-byte boundary (cache
 /// lines; aligned vector loads). Constructed over nullptr it hands out no memory and only
 /// counts: a kernel's workspace size is its layout run that way, so the size and the use

@@ -49,8 +49,9 @@
 //                          (alpha null: no rescale). Row stride of p: kKeys
 //   online_softmax(s, cols, rowmax, m, l, alpha)  one row's step over its `cols` >= 1 logits,
 //                          lanes up to the next multiple of W past cols being -inf
-//   finish_row(acc, m, l, visible, dim, o, lse)   o = acc / l and lse, or 0 and -inf when
-//                          the row sees no key
+//   finish_row(acc, m, l, sink, visible, dim, o, lse)  o = acc / l and lse with the head's
+//                          sink (support::row_end_base2), or 0 and the sink (-inf without)
+//                          when the row sees no key
 //   kDotKeys, decode_step()  keys per decode_logits step (one prefetch step each), and the
 //                          multiple of keys a decode tile holds (a multiple of both W and it)
 //   decode_logits(q, k, k_seq, cols, dim, c, w, after_step)  w[j] = c q . k_j for j < cols,
@@ -354,8 +355,9 @@ struct Loops {
   static void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, float* o,
                            float* lse) {
     for (std::int64_t t = 0; t < block.rows; ++t) {
-      K::finish_row(s.acc + t * s.dim_p, s.m[t], s.l[t], mha::visible_keys(p, block.row(t)),
-                    p.head_dim, block.o_row(p, o, t), block.lse_at(p, lse, t));
+      K::finish_row(s.acc + t * s.dim_p, s.m[t], s.l[t], mha::sink_of(p, block.head(t)),
+                    mha::visible_keys(p, block.row(t)), p.head_dim, block.o_row(p, o, t),
+                    block.lse_at(p, lse, t));
     }
   }
 
@@ -529,8 +531,9 @@ struct Loops {
       }
 
       for (std::int64_t t = 0; t < rows; ++t) {
-        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
-                      block.o_row(p, o, t), block.lse_at(p, lse, t));
+        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::sink_of(p, block.head(t)),
+                      mha::visible_keys(p, block.row(t)), dim, block.o_row(p, o, t),
+                      block.lse_at(p, lse, t));
       }
     });
   }
@@ -665,8 +668,9 @@ struct Loops {
       }
 
       for (std::int64_t t = 0; t < rows; ++t) {
-        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::visible_keys(p, block.row(t)), dim,
-                      block.o_row(p, o, t), block.lse_at(p, lse, t));
+        K::finish_row(s.acc + t * s.dim_w, ms[t], ls[t], mha::sink_of(p, block.head(t)),
+                      mha::visible_keys(p, block.row(t)), dim, block.o_row(p, o, t),
+                      block.lse_at(p, lse, t));
       }
     });
   }
