@@ -23,8 +23,7 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
       for (std::int64_t i = row_begin; i < row_end; ++i) {
         const std::int64_t n = visible_keys(p, i);
         // Head h's sink: one more logit in the max and the sum, with no value.
-        const double sink = p.sinks != nullptr ? static_cast<double>(p.sinks[h])
-                                               : -std::numeric_limits<double>::infinity();
+        const double sink = sink_logit(p, h);
         if (n == 0) {
           r.lse[static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i)] = sink;
           continue;

@@ -6,6 +6,7 @@
 #include <mha/kv_types.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace mha::ref {
@@ -45,6 +46,12 @@ inline KvRow k_row(const Problem& p, const KvView& k, std::int64_t b, std::int64
 inline KvRow v_row(const Problem& p, const KvView& v, std::int64_t b, std::int64_t j,
                    std::int64_t h) {
   return kv_row(p, v, p.v, p.v_scale, b, j, h);
+}
+
+/// Head h's sink logit (Problem::sinks) in double, -inf when p has none.
+inline double sink_logit(const Problem& p, std::int64_t h) {
+  return p.sinks != nullptr ? static_cast<double>(p.sinks[h])
+                            : -std::numeric_limits<double>::infinity();
 }
 
 /// Attention of the problem p (strides as p says) over the inputs, K and V of p.kv_type

@@ -64,8 +64,7 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
         const std::int64_t keys = visible_keys(p, i);
         if (keys == 0) continue;  // exact zeros and -inf (or the sink) are required
         // Step 7: a sink is one more key, of logit sinks[h] and value 0.
-        const double sink = p.sinks != nullptr ? static_cast<double>(p.sinks[h])
-                                               : -std::numeric_limits<double>::infinity();
+        const double sink = sink_logit(p, h);
         const bool has_sink = std::isfinite(sink);
         const std::int64_t n = keys + (has_sink ? 1 : 0);
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;

@@ -477,17 +477,17 @@ void online_softmax(float* st, std::int64_t ld, std::int64_t keys, const __m512i
   }
 }
 
-// o = acc / l and lse = (m + log2 l) ln 2 for a row that sees `visible` keys (see
-// blocked's finish_row): zeros and -inf when it sees none, not 0 / 0; a division, one
-// rounding, as the tolerance assumes; l == 0 (every logit -inf) gives NaN.
-void finish_row(const float* acc, std::int64_t acc_stride, float m, float l, float sink,
+// o = acc / divisor and lse for a row that sees `visible` keys, `end` being its
+// support::row_end_base2 (of m, l and the head's sink; without a sink divisor l and lse
+// (m + log2 l) ln 2, NaN when l == 0: every logit -inf): zeros and the sink (-inf without)
+// when it sees none, not 0 / 0; a division, one rounding, as the tolerance assumes.
+void finish_row(const float* acc, std::int64_t acc_stride, const mha::RowEnd& end, float sink,
                 std::int64_t visible, std::int64_t head_dim, float* o, float* lse) {
   if (visible == 0) {
     for (std::int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
     if (lse != nullptr) *lse = sink;
     return;
   }
-  const mha::RowEnd end = mha::support::row_end_base2(m, l, sink);
   for (std::int64_t d = 0; d < head_dim; ++d) o[d] = acc[d * acc_stride] / end.divisor;
   if (lse != nullptr) *lse = end.lse;
 }
@@ -982,7 +982,8 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
     }
 
     for (std::int64_t t = 0; t < rows; ++t) {
-      finish_row(acc_rows + t * d16, 1, ms[t], ls[t], mha::sink_of(p, block.head(t)),
+      const float sink = mha::sink_of(p, block.head(t));
+      finish_row(acc_rows + t * d16, 1, mha::support::row_end_base2(ms[t], ls[t], sink), sink,
                  mha::visible_keys(p, block.row(t)), dim, block.o_row(p, o, t),
                  block.lse_at(p, lse, t));
     }
@@ -1149,21 +1150,23 @@ void finish_block(const mha::Problem& p, const Block& block, const Scratch& s, f
     float* o_row[16];
     float* lse_row[16];
     float sink[16], divisor[16];
+    mha::RowEnd end[16];
     std::int64_t seen[16];
     bool all_see = n == 16;
     for (std::int64_t i = 0; i < n; ++i) {
       o_row[i] = block.o_row(p, o, t0 + i);
       lse_row[i] = block.lse_at(p, lse, t0 + i);
       sink[i] = mha::sink_of(p, block.head(t0 + i));
-      divisor[i] = mha::support::row_end_base2(s.m[t0 + i], s.l[t0 + i], sink[i]).divisor;
+      end[i] = mha::support::row_end_base2(s.m[t0 + i], s.l[t0 + i], sink[i]);
+      divisor[i] = end[i].divisor;
       seen[i] = mha::visible_keys(p, block.row(t0 + i));
       all_see = all_see && seen[i] > 0;
     }
     const float* const panel = panel_lane(s.ot, t0, p.head_dim);
     if (all_see) divide_rows16(panel, divisor, p.head_dim, o_row);
     for (std::int64_t i = 0; i < n; ++i) {
-      finish_row(panel + i, kStrip, s.m[t0 + i], s.l[t0 + i], sink[i], seen[i],
-                 all_see ? 0 : p.head_dim, o_row[i], lse_row[i]);
+      finish_row(panel + i, kStrip, end[i], sink[i], seen[i], all_see ? 0 : p.head_dim, o_row[i],
+                 lse_row[i]);
     }
   }
 }
