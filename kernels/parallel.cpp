@@ -37,10 +37,12 @@ struct Task {
 
 // Sizes that bound the schedule, from the problem and the thread count alone.
 struct Bounds {
-  Plan plan;
-  std::int64_t group, unit_rows;  // g; query rows of the largest unit
-  std::int64_t max_tasks;         // units x chunks: at most that many kernel calls
+  std::int64_t group, row_block;  // g; query rows per unit (every sequence's)
+  std::int64_t unit_rows;         // query rows of the largest unit
+  std::int64_t units;             // units of all sequences
+  std::int64_t max_tasks;         // kernel calls: units x their sequence's chunks
   std::int64_t max_parts;         // partial results (split-KV only)
+  std::int64_t max_chunks;        // chunks of a unit at most (1: no sequence is split)
   std::int64_t part_o, part_lse;  // floats of one partial o and lse
   int threads;                    // threads that get work: at most one per task
   std::size_t kernel_bytes;       // one thread's kernel workspace, for the largest unit
@@ -48,14 +50,24 @@ struct Bounds {
 
 Bounds bounds(WorkspaceSize kernel_workspace, const Problem& p, int threads) {
   Bounds b;
-  b.plan = plan(p);
   b.group = p.q_heads / p.kv_heads;
-  b.unit_rows = std::min(b.plan.row_block, p.q_len);
-  b.max_tasks = b.plan.units * b.plan.chunks;
-  b.max_parts = b.plan.chunks > 1 ? b.max_tasks : 0;
+  b.row_block = plan(p).row_block;
+  b.unit_rows = std::min(b.row_block, p.q_len);
+  b.units = b.max_tasks = b.max_parts = 0;
+  b.max_chunks = 1;
+  // Each sequence planned alone; without per-sequence lengths they are all alike.
+  const std::int64_t distinct = ragged(p) ? p.batch : 1;
+  const std::int64_t copies = ragged(p) ? 1 : p.batch;
+  for (std::int64_t s = 0; s < distinct; ++s) {
+    const Plan sp = plan(sequence(p, s));
+    b.units += copies * sp.units;
+    b.max_tasks += copies * sp.units * sp.chunks;
+    if (sp.chunks > 1) b.max_parts += copies * sp.units * sp.chunks;
+    b.max_chunks = std::max(b.max_chunks, sp.chunks);
+  }
   b.part_o = b.unit_rows * b.group * p.head_dim;
   b.part_lse = b.unit_rows * b.group;
-  b.threads = static_cast<int>(std::min<std::int64_t>(threads, b.max_tasks));
+  b.threads = static_cast<int>(std::clamp<std::int64_t>(b.max_tasks, 1, threads));
   // Every task is a problem {batch 1, q_heads g, kv_heads 1} of at most unit_rows rows and
   // kv_len keys, and a kernel's workspace never decreases with q_len or kv_len.
   Problem largest = p;
@@ -63,6 +75,7 @@ Bounds bounds(WorkspaceSize kernel_workspace, const Problem& p, int threads) {
   largest.q_len = b.unit_rows;
   largest.q_heads = b.group;
   largest.kv_heads = 1;
+  largest.q_lens = largest.kv_lens = nullptr;
   b.kernel_bytes = kernel_workspace(largest);
   return b;
 }
@@ -82,28 +95,35 @@ struct Scratch {
 
 Scratch layout(const Bounds& b, const Problem& p, support::Carve& carve) {
   Scratch l;
-  l.units = carve.take<Unit>(b.plan.units);
+  l.units = carve.take<Unit>(b.units);
   l.tasks = carve.take<Task>(b.max_tasks);
   l.part_o = carve.take<const float*>(b.max_parts);
   l.part_lse = carve.take<const float*>(b.max_parts);
   l.parts_o = carve.take<float>(b.max_parts * b.part_o);
   l.parts_lse = carve.take<float>(b.max_parts * b.part_lse);
-  l.merge = carve.take<float>(b.threads * (b.plan.chunks + p.head_dim));
+  l.merge = carve.take<float>(b.threads * (b.max_chunks + p.head_dim));
   l.kernel_stride = (b.kernel_bytes + support::Carve::kAlign - 1) / support::Carve::kAlign *
                     support::Carve::kAlign;
   l.kernel = carve.take<unsigned char>(b.threads * static_cast<std::int64_t>(l.kernel_stride));
   return l;
 }
 
-// Fills l.units and l.tasks; returns the number of tasks.
-std::int64_t schedule(const Problem& p, const Bounds& bd, const Scratch& l) {
-  const Plan& plan = bd.plan;
+// What schedule() filled.
+struct Schedule {
+  std::int64_t units, tasks;
+};
+
+// Fills l.units and l.tasks.
+Schedule schedule(const Problem& p, const Bounds& bd, const Scratch& l) {
   std::int64_t n_units = 0, n_tasks = 0, parts = 0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
+    // The sequence's own lengths and cut: its tasks are those of its call alone.
+    const Problem seq = sequence(p, b);
+    const Plan plan = mha::plan(seq);
     for (std::int64_t kv = 0; kv < p.kv_heads; ++kv) {
-      for (std::int64_t r0 = 0; r0 < p.q_len; r0 += plan.row_block) {
-        const std::int64_t rows = std::min(plan.row_block, p.q_len - r0);
-        const std::int64_t kv_len = p.causal ? p.kv_len - p.q_len + r0 + rows : p.kv_len;
+      for (std::int64_t r0 = 0; r0 < seq.q_len; r0 += plan.row_block) {
+        const std::int64_t rows = std::min(plan.row_block, seq.q_len - r0);
+        const std::int64_t kv_len = p.causal ? seq.kv_len - seq.q_len + r0 + rows : seq.kv_len;
         Unit& unit = l.units[n_units];
         unit = {b, kv, r0, rows, kv_len, -1, 0};
         const std::int64_t u = n_units++;
@@ -132,7 +152,7 @@ std::int64_t schedule(const Problem& p, const Bounds& bd, const Scratch& l) {
     l.part_o[i] = l.parts_o + i * bd.part_o;
     l.part_lse[i] = l.parts_lse + i * bd.part_lse;
   }
-  return n_tasks;
+  return {n_units, n_tasks};
 }
 
 int thread_index() {
@@ -214,7 +234,8 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
   const Bounds bd = bounds(kernel_workspace, p, threads);
   support::Carve carve(ws.data);
   const Scratch l = layout(bd, p, carve);
-  const std::int64_t n_tasks = schedule(p, bd, l);
+  const Schedule sched = schedule(p, bd, l);
+  const std::int64_t n_tasks = sched.tasks;
   const std::int64_t g = bd.group;
   const std::int64_t D = p.head_dim;
   threads = bd.threads;  // NOLINT: read by the num_threads clauses
@@ -226,6 +247,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     up.kv_len = u.kv_len;
     up.q_heads = g;
     up.kv_heads = 1;
+    up.q_lens = up.kv_lens = nullptr;
     if (p.sinks != nullptr) up.sinks = p.sinks + u.kv * g;
     return up;
   };
@@ -261,7 +283,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
              l.parts_lse + task.part * bd.part_lse, kws);
     }
   };
-  if (bd.plan.chunks > 1) {
+  if (bd.max_parts > 0) {
     // Split KV: chunks of equal work, dealt out the same way every call, so that a thread
     // finds its chunks in its own core's L2 when the KV cache fits there (dynamic dealing
     // can move a chunk to the other core from one call to the next).
@@ -273,7 +295,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     for (std::int64_t t = 0; t < n_tasks; ++t) run_task(t);
   }
 
-  const std::int64_t n_units = bd.plan.units;
+  const std::int64_t n_units = sched.units;
   // One unit (a decode of one KV head) is merged where it is, without waking the threads.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_units > 1)
   for (std::int64_t i = 0; i < n_units; ++i) {
@@ -296,7 +318,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     parts.o_strides = {0, g * D, D};
     parts.lse_strides = {0, u.rows};
     detail::merge_unchecked(unit_problem(u), parts, o_at(u), lse != nullptr ? lse_at(u) : nullptr,
-                            l.merge + thread_index() * (bd.plan.chunks + D));
+                            l.merge + thread_index() * (bd.max_chunks + D));
   }
 }
 

@@ -120,12 +120,15 @@ std::string check_call(const Problem& p, const float* q, KvView k, KvView v, con
   // Whole memory ranges are compared, so an output interleaved with an input in one buffer
   // (disjoint elements, overlapping ranges) is rejected too: conservative, never unsafe.
   const std::size_t kv_bytes = kv_type_bytes(p.kv_type);
-  const Range inputs[] = {range("q", q, q_extent(p)),
-                          range("k", k.data, k_extent(p), kv_bytes),
-                          range("v", v.data, v_extent(p), kv_bytes),
-                          range("k.scale", k.scale, i8 ? k_scale_extent(p) : 0),
-                          range("v.scale", v.scale, i8 ? v_scale_extent(p) : 0),
-                          range("sinks", p.sinks, p.sinks != nullptr ? p.q_heads : 0)};
+  const Range inputs[] = {
+      range("q", q, q_extent(p)),
+      range("k", k.data, k_extent(p), kv_bytes),
+      range("v", v.data, v_extent(p), kv_bytes),
+      range("k.scale", k.scale, i8 ? k_scale_extent(p) : 0),
+      range("v.scale", v.scale, i8 ? v_scale_extent(p) : 0),
+      range("sinks", p.sinks, p.sinks != nullptr ? p.q_heads : 0),
+      range("q_lens", p.q_lens, p.q_lens != nullptr ? p.batch : 0, sizeof(std::int64_t)),
+      range("kv_lens", p.kv_lens, p.kv_lens != nullptr ? p.batch : 0, sizeof(std::int64_t))};
   Range outputs[] = {range("o", o, o_extent(p)), range("lse", lse, lse_extent(p))};
   const int n_outputs = lse != nullptr ? 2 : 1;
   for (int i = 0; i < n_outputs; ++i) {

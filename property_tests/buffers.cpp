@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <sstream>
 
@@ -58,6 +59,28 @@ std::string Guarded::untouched_outside(const std::vector<bool>& is_element) cons
   return std::string();
 }
 
+namespace {
+
+// NaN in every row past a ragged sequence's lengths, so that a kernel reading padding shows
+// it in the output. Keys shared by every sequence (batch stride 0) are left as they are.
+void poison_padding(const Case& c, Inputs& in) {
+  const Problem& p = in.p;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t l = q_len_of(p, b); l < p.q_len; ++l)
+      for (std::int64_t h = 0; h < p.q_heads; ++h)
+        std::fill_n(in.q + b * p.q.batch + l * p.q.seq + h * p.q.head, p.head_dim, nan);
+    if (c.storage == Storage::broadcast_batch) continue;
+    for (std::int64_t l = kv_len_of(p, b); l < p.kv_len; ++l)
+      for (std::int64_t h = 0; h < p.kv_heads; ++h) {
+        std::fill_n(in.k + b * p.k.batch + l * p.k.seq + h * p.k.head, p.head_dim, nan);
+        std::fill_n(in.v + b * p.v.batch + l * p.v.seq + h * p.v.head, p.head_dim, nan);
+      }
+  }
+}
+
+}  // namespace
+
 Inputs make_inputs(const Case& c) {
   Inputs in;
   Problem& p = in.p;
@@ -67,6 +90,16 @@ Inputs make_inputs(const Case& c) {
     in.sinks.push_back(c.sinks[static_cast<std::size_t>(h) % c.sinks.size()]);
   }
   p.sinks = in.sinks.empty() ? nullptr : in.sinks.data();  // the buffer moves with Inputs
+  // Per-sequence lengths, repeated and cut to the tensors' when a test changed the shape.
+  const auto lens = [&](const std::vector<std::int64_t>& drawn, std::int64_t most,
+                        std::vector<std::int64_t>& out) -> const std::int64_t* {
+    for (std::int64_t b = 0; b < p.batch && !drawn.empty(); ++b) {
+      out.push_back(std::min(drawn[static_cast<std::size_t>(b) % drawn.size()], most));
+    }
+    return out.empty() ? nullptr : out.data();
+  };
+  p.q_lens = lens(c.q_lens, p.q_len, in.q_lens);
+  p.kv_lens = lens(c.kv_lens, p.kv_len, in.kv_lens);
   const std::int64_t B = p.batch, H = p.q_heads, Hkv = p.kv_heads, D = p.head_dim;
   p.q = padded_strides(c.q_layout, B, p.q_len, H, D, c.pad);
   p.k = padded_strides(c.kv_layout, B, p.kv_len, Hkv, D, c.k_pad);
@@ -140,6 +173,7 @@ Inputs make_inputs(const Case& c) {
         }
       }
     }
+    poison_padding(c, in);
     in.before = in.arena.snapshot();
     return in;
   }
@@ -160,6 +194,7 @@ Inputs make_inputs(const Case& c) {
       v[b * p.v.batch + l * p.v.seq + h * p.v.head + d] = x;
     });
   }
+  poison_padding(c, in);
   in.before = in.arena.snapshot();
   return in;
 }

@@ -101,6 +101,13 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
     os << " sinks=";
     for (std::size_t h = 0; h < c.sinks.size(); ++h) os << (h > 0 ? "," : "") << c.sinks[h];
   }
+  const auto list = [&](const char* name, const std::vector<std::int64_t>& lens) {
+    if (lens.empty()) return;
+    os << " " << name << "=";
+    for (std::size_t b = 0; b < lens.size(); ++b) os << (b > 0 ? "," : "") << lens[b];
+  };
+  list("q_lens", c.q_lens);
+  list("kv_lens", c.kv_lens);
   return os;
 }
 
@@ -262,6 +269,23 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
         sink = *unsized(rc::gen::inRange(0, 8)) == 0 ? -std::numeric_limits<float>::infinity()
                                                      : static_cast<float>(x / 100.0 * typical);
       }
+    }
+    if (o.any_ragged && *unsized(rc::gen::inRange(0, 3)) == 0) {
+      // q_lens, kv_lens or both; per sequence 1 in 8 empty, else anything up to the
+      // tensors' lengths (the whole length 1 in 4, as a full sequence beside short ones).
+      const int which = *unsized(rc::gen::inRange(0, 3));
+      const auto lens = [&](std::int64_t most) {
+        std::vector<std::int64_t> out;
+        for (std::int64_t b = 0; b < p.batch; ++b) {
+          const int kind = *unsized(rc::gen::inRange(0, 8));
+          out.push_back(kind == 0   ? 0
+                        : kind <= 2 ? most
+                                    : *rc::gen::inRange<std::int64_t>(1, most + 1));
+        }
+        return out;
+      };
+      if (which != 1) c.q_lens = lens(p.q_len);
+      if (which != 0) c.kv_lens = lens(p.kv_len);
     }
     c.seed = *rc::gen::arbitrary<std::uint64_t>();
     return c;

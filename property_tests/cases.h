@@ -46,6 +46,9 @@ struct Case {
   std::uint64_t seed = 0;    ///< for the values
   /// Attention sinks, one per query head (empty: none): make_inputs points p.sinks at a copy.
   std::vector<float> sinks;
+  /// Per-sequence lengths (Problem::q_lens, kv_lens; empty: none): make_inputs points p at
+  /// copies and fills the padding past each sequence's lengths with NaN.
+  std::vector<std::int64_t> q_lens, kv_lens;
 };
 
 std::ostream& operator<<(std::ostream& os, const Case& c);
@@ -72,6 +75,7 @@ struct CaseOptions {
   bool any_scale = true;       ///< sometimes a non-default (possibly negative) scale
   bool equal_lengths = false;  ///< force q_len == kv_len (prefill)
   bool any_sinks = true;       ///< 1 in 4: attention sinks (Problem::sinks)
+  bool any_ragged = false;     ///< 1 in 3: per-sequence lengths (Problem::q_lens, kv_lens)
   /// Only long decodes: Lq <= 3, Lk from 16383 to 131072, the sensitive values (reference/
   /// sensitive.h), work up to shape.max_work / 4 and K up to 2^21 floats.
   bool long_decode = false;

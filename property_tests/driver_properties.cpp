@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
@@ -80,19 +81,25 @@ void check_driver(const KernelInfo& kernel, const Case& c, int threads,
                   const ParallelDriver& driver) {
   const Inputs in = make_inputs(c);
   const Outputs out = run(call_driver(kernel, threads, driver), kernel.name, in);
-  const Plan pl = plan(in.p);
+  // A ragged batch's sequences are cut each on its own: the most chunks of any bounds all.
+  std::int64_t chunks = 1;
+  for (std::int64_t b = 0; b < in.p.batch; ++b) {
+    chunks = std::max(chunks, plan(sequence(in.p, b)).chunks);
+  }
   // A split unit's merge counts the sinks as one more part.
-  const bool sink_part = pl.chunks > 1 && in.p.sinks != nullptr;
+  const bool sink_part = chunks > 1 && in.p.sinks != nullptr;
   const Tolerance tol = merged_tolerance(tolerance(in.p, in.q, in.k, in.v, kernel.exp_ulp),
-                                         static_cast<double>(pl.chunks + (sink_part ? 1 : 0)));
-  expect_close(in.p, out, ref::attention(in.p, in.q, in.k, in.v), tol, 1.0,
-               std::string(kernel.name) + " through the driver (" + std::to_string(pl.chunks) +
-                   " KV chunks)");
+                                         static_cast<double>(chunks + (sink_part ? 1 : 0)));
+  expect_close(
+      in.p, out, ref::attention(in.p, in.q, in.k, in.v), tol, 1.0,
+      std::string(kernel.name) + " through the driver (" + std::to_string(chunks) + " KV chunks)");
 }
 
 void driver_matches_reference(const KernelInfo& kernel, const ParallelDriver& driver) {
   const bool sliced = *unsized(rc::gen::inRange(0, 4)) == 0;
-  check_driver(kernel, sliced ? *gen_sliced_case() : *gen_case(), 2, driver);
+  CaseOptions ragged;
+  ragged.any_ragged = true;
+  check_driver(kernel, sliced ? *gen_sliced_case() : *gen_case(ragged), 2, driver);
 }
 
 void split_kv_decoding_matches_reference(const KernelInfo& kernel, const ParallelDriver& driver) {
@@ -153,6 +160,62 @@ void batch_does_not_change_a_sequence(const KernelInfo& kernel, const ParallelDr
   const auto floats = [](std::int64_t n) { return static_cast<std::size_t>(n) * sizeof(float); };
   RC_ASSERT(std::memcmp(a.o.data(), b.o.data(), floats(p.q_len * p.q_heads * p.head_dim)) == 0);
   RC_ASSERT(std::memcmp(a.lse.data(), b.lse.data(), floats(p.q_heads * p.q_len)) == 0);
+}
+
+// A batch of sequences of different lengths (Problem::q_lens, kv_lens) gives each sequence
+// the bits of its call alone (mha::sequence), whatever the batch and the thread counts; a
+// sequence without keys is zeros with lse its sink, one without queries is not written
+// (run() fails on a write to its rows). Half the cases are split decodes, so that a sequence
+// short of the split length sits beside long ones.
+void ragged_batch_equals_separate_calls(const std::function<Call(int threads)>& call,
+                                        const std::string& name) {
+  Case c = *unsized(rc::gen::arbitrary<bool>()) ? *gen_split_case() : *gen_case();
+  c.p.batch = *unsized(rc::gen::inRange<std::int64_t>(2, 7));
+  c.q_lens.clear();
+  c.kv_lens.clear();
+  const auto length = [](std::int64_t most) {
+    return *unsized(rc::gen::inRange(0, 8)) == 0 ? 0 : *rc::gen::inRange<std::int64_t>(1, most + 1);
+  };
+  for (std::int64_t b = 0; b < c.p.batch; ++b) {
+    c.q_lens.push_back(length(c.p.q_len));
+    c.kv_lens.push_back(length(c.p.kv_len));
+  }
+  const Inputs in = make_inputs(c);
+  const Problem& p = in.p;
+  const int threads = *unsized(rc::gen::inRange(1, 5));
+  const Outputs all = run(call(threads), name, in);
+  const auto same_bits = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const Problem s = sequence(p, b);
+    if (s.q_len == 0) continue;
+    Outputs one;
+    const bool keys = s.kv_len > 0;
+    if (keys) {
+      one = run(call(*unsized(rc::gen::inRange(1, 5))), name, s, in, in.q + b * p.q.batch,
+                kv_row(in.k, p.kv_type, p.k, p.k_scale, b, 0, 0),
+                kv_row(in.v, p.kv_type, p.v, p.v_scale, b, 0, 0));
+    }
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      for (std::int64_t i = 0; i < s.q_len; ++i) {
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          const float want = keys ? one.o_at(s, 0, h, i, d) : 0.0f;
+          MHA_RC_ASSERT(same_bits(all.o_at(p, b, h, i, d), want),
+                        name << ": o[b=" << b << "][h=" << h << "][i=" << i << "][d=" << d << "] = "
+                             << all.o_at(p, b, h, i, d) << " in the batch, " << want << " alone");
+        }
+        const float want = keys ? one.lse_at(s, 0, h, i) : sink_of(p, h);
+        MHA_RC_ASSERT(same_bits(all.lse_at(p, b, h, i), want),
+                      name << ": lse[b=" << b << "][h=" << h << "][i=" << i << "] = "
+                           << all.lse_at(p, b, h, i) << " in the batch, " << want << " alone");
+      }
+    }
+  }
+}
+
+void ragged_batch_equals_separate_calls(const KernelInfo& kernel, const ParallelDriver& driver) {
+  ragged_batch_equals_separate_calls(
+      [&](int threads) { return call_driver(kernel, threads, driver); },
+      std::string(kernel.name) + " through the driver");
 }
 
 }  // namespace mha::test

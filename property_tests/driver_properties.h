@@ -6,6 +6,9 @@
 #include <mha/registry.h>
 #include <rapidcheck.h>
 
+#include <functional>
+#include <string>
+
 #include "cases.h"
 #include "run.h"
 
@@ -33,5 +36,13 @@ void thread_count_does_not_change_a_bit(const KernelInfo& kernel,
 /// and gives a sequence the same bits alone and first in a batch of others.
 void batch_does_not_change_a_sequence(const KernelInfo& kernel,
                                       const ParallelDriver& driver = ParallelDriver());
+/// and gives each sequence of a ragged batch the bits of its call alone (the driver on
+/// 1 to 4 threads),
+void ragged_batch_equals_separate_calls(const KernelInfo& kernel,
+                                        const ParallelDriver& driver = ParallelDriver());
+/// as any `call(threads)` must (a kernel, called directly, whatever the thread count); `name`
+/// names it in failures.
+void ragged_batch_equals_separate_calls(const std::function<Call(int threads)>& call,
+                                        const std::string& name);
 
 }  // namespace mha::test

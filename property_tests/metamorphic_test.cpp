@@ -12,6 +12,7 @@
 #include "buffers.h"
 #include "cases.h"
 #include "compare.h"
+#include "driver_properties.h"
 #include "kernel_test.h"
 #include "run.h"
 
@@ -116,8 +117,10 @@ TEST_P(Metamorphic, ConstantValuesComeOutUnchanged) {
 // per-column minimum and maximum (up to the accumulation error); with a sink, of those rows
 // and a row of zeros (the sink's weight).
 TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
+  CaseOptions options;
+  options.any_ragged = true;
   check_property([&] {
-    const Case c = *gen_case();
+    const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
     const Outputs out = run(call_kernel(kernel()), kernel().name, in);
@@ -125,8 +128,8 @@ TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
     const std::int64_t g = p.q_heads / p.kv_heads;
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t h = 0; h < p.q_heads; ++h)
-        for (std::int64_t i = 0; i < p.q_len; ++i) {
-          const std::int64_t n = visible_keys(p, i);
+        for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
+          const std::int64_t n = ref::keys_seen(p, b, i);
           const double slack = tol.accumulation[tol.row(b, h, i)];
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             double lo = std::numeric_limits<double>::infinity(), hi = -lo;
@@ -247,8 +250,10 @@ TEST_P(Metamorphic, FullyMaskedRowsAreZeros) {
 // element makes logits of +-inf (or NaN): -inf weighs exactly 0, +inf makes the row NaN,
 // a row of only -inf is NaN; those cases are checked against the reference.
 TEST_P(Metamorphic, NonFiniteInputsPropagate) {
+  CaseOptions options;
+  options.any_ragged = true;  // padding holds NaN already: a poisoned element there reaches nothing
   check_property([&] {
-    Case c = *gen_case();
+    Case c = *gen_case(options);
     c.storage = Storage::separate;  // one poisoned element must be one logical element
     Inputs in = make_inputs(c);
     const Problem& p = in.p;
@@ -273,8 +278,8 @@ TEST_P(Metamorphic, NonFiniteInputsPropagate) {
       const std::int64_t g = p.q_heads / p.kv_heads;
       for (std::int64_t b = 0; b < p.batch; ++b)
         for (std::int64_t h = 0; h < p.q_heads; ++h)
-          for (std::int64_t i = 0; i < p.q_len; ++i) {
-            const std::int64_t n = visible_keys(p, i);
+          for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
+            const std::int64_t n = ref::keys_seen(p, b, i);
             const bool same_kv = b == b0 && h / g == h0 && l0 < n;
             const bool row_hit = n > 0 && ((tensor == 0 && b == b0 && h == h0 && i == l0) ||
                                            (tensor == 1 && same_kv));
@@ -288,6 +293,15 @@ TEST_P(Metamorphic, NonFiniteInputsPropagate) {
     // Everything, finite or not, matches the reference.
     expect_close(p, out, ref::attention(p, in.q, in.k, in.v),
                  tolerance(p, in.q, in.k, in.v, kernel().exp_ulp), 1.0, "with one poisoned input");
+  });
+}
+
+// A batch of sequences of different lengths (Problem::q_lens, kv_lens) is its sequences'
+// separate calls, bit for bit: the kernel called directly (driver_properties.cpp has the
+// property; parallel_test.cpp runs it through the driver).
+TEST_P(Metamorphic, RaggedBatchEqualsSeparateCalls) {
+  check_property([&] {
+    ragged_batch_equals_separate_calls([&](int) { return call_kernel(kernel()); }, kernel().name);
   });
 }
 

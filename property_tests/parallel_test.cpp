@@ -27,6 +27,10 @@ TEST_P(Driver, BatchDoesNotChangeASequence) {
   check_property([&] { batch_does_not_change_a_sequence(kernel()); });
 }
 
+TEST_P(Driver, RaggedBatchEqualsSeparateCalls) {
+  check_property([&] { ragged_batch_equals_separate_calls(kernel()); });
+}
+
 MHA_INSTANTIATE_FOR_KERNELS(Driver);
 
 }  // namespace

@@ -12,11 +12,14 @@ namespace mha::test {
 
 namespace {
 
-std::vector<bool> element_mask(std::int64_t size, const Strides& s, std::int64_t batch,
-                               std::int64_t len, std::int64_t heads, std::int64_t dim) {
+// Elements of a [batch][len][heads][dim] tensor with strides s; batch element b has its
+// first len(b) rows only (a ragged sequence's rows past its length are no outputs).
+template <typename Len>
+std::vector<bool> element_mask(std::int64_t size, const Strides& s, std::int64_t batch, Len len,
+                               std::int64_t heads, std::int64_t dim) {
   std::vector<bool> mask(static_cast<std::size_t>(size), false);
   for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t l = 0; l < len; ++l)
+    for (std::int64_t l = 0; l < len(b); ++l)
       for (std::int64_t h = 0; h < heads; ++h) {
         const std::int64_t row = b * s.batch + l * s.seq + h * s.head;
         std::fill_n(mask.begin() + row, dim, true);
@@ -74,12 +77,13 @@ Outputs run(const Call& call, const std::string& name, const Problem& p, const I
   call(p, q, k, v, out.o.data(), out.lse.data());
 
   RC_ASSERT_FALSE(!in.arena.same_as(in.before));  // a kernel wrote into its inputs
+  const auto rows = [&](std::int64_t b) { return ref::rows_of(p, b); };
   const std::string o_guard = out.o.untouched_outside(
-      element_mask(out.o.size(), p.o, p.batch, p.q_len, p.q_heads, p.head_dim));
+      element_mask(out.o.size(), p.o, p.batch, rows, p.q_heads, p.head_dim));
   if (!o_guard.empty()) RC_FAIL(name + " wrote outside o: " + o_guard);
   const Strides lse_as_tensor{p.lse.batch, 1, p.lse.head};  // [b][i][h] with d = 1
   const std::string lse_guard = out.lse.untouched_outside(
-      element_mask(out.lse.size(), lse_as_tensor, p.batch, p.q_len, p.q_heads, 1));
+      element_mask(out.lse.size(), lse_as_tensor, p.batch, rows, p.q_heads, 1));
   if (!lse_guard.empty()) RC_FAIL(name + " wrote outside lse: " + lse_guard);
   return out;
 }

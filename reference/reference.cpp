@@ -1,5 +1,6 @@
 #include "reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -20,8 +21,9 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
-      for (std::int64_t i = row_begin; i < row_end; ++i) {
-        const std::int64_t n = visible_keys(p, i);
+      // Rows past the sequence's own length stay zeros and -inf: they are not outputs.
+      for (std::int64_t i = row_begin; i < std::min(row_end, rows_of(p, b)); ++i) {
+        const std::int64_t n = keys_seen(p, b, i);
         // Head h's sink: one more logit in the max and the sum, with no value.
         const double sink = sink_logit(p, h);
         if (n == 0) {

@@ -5,6 +5,7 @@
 #include <mha/attention.h>
 #include <mha/kv_types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -46,6 +47,19 @@ inline KvRow k_row(const Problem& p, const KvView& k, std::int64_t b, std::int64
 inline KvRow v_row(const Problem& p, const KvView& v, std::int64_t b, std::int64_t j,
                    std::int64_t h) {
   return kv_row(p, v, p.v, p.v_scale, b, j, h);
+}
+
+/// Sequence b's query rows (Problem::q_lens) and the keys its row i sees: the prefix
+/// [0, keys) of its own kv_lens[b] keys, bottom-right causal on its own lengths. Written
+/// here from the contract, apart from mha::sequence, which the kernels and the driver use.
+inline std::int64_t rows_of(const Problem& p, std::int64_t b) {
+  return p.q_lens != nullptr ? p.q_lens[b] : p.q_len;
+}
+inline std::int64_t keys_seen(const Problem& p, std::int64_t b, std::int64_t i) {
+  const std::int64_t keys = p.kv_lens != nullptr ? p.kv_lens[b] : p.kv_len;
+  if (!p.causal) return keys;
+  const std::int64_t last = i + keys - rows_of(p, b);  // the last key row i sees
+  return std::clamp<std::int64_t>(last + 1, 0, keys);
 }
 
 /// Head h's sink logit (Problem::sinks) in double, -inf when p has none.

@@ -60,8 +60,8 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
-      for (std::int64_t i = row_begin; i < row_end; ++i) {
-        const std::int64_t keys = visible_keys(p, i);
+      for (std::int64_t i = row_begin; i < std::min(row_end, rows_of(p, b)); ++i) {
+        const std::int64_t keys = keys_seen(p, b, i);
         if (keys == 0) continue;  // exact zeros and -inf (or the sink) are required
         // Step 7: a sink is one more key, of logit sinks[h] and value 0.
         const double sink = sink_logit(p, h);

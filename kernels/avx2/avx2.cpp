@@ -852,6 +852,7 @@ std::size_t mha_f32_attention_avx2_workspace(const mha::Problem& p) { return Loo
 
 void mha_f32_attention_avx2(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                             float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_avx2, p, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
   Loops::run(p, q, k, v, o, lse, ws);
 }

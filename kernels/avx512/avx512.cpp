@@ -1300,6 +1300,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
 
 void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                               float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_avx512, p, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
   if (!decodes(p)) {
     prefill(p, q, k, v, o, lse, ws);

@@ -263,6 +263,7 @@ std::size_t mha_f32_attention_blocked_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                                float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_blocked, p, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
   const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;

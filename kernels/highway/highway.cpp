@@ -62,6 +62,7 @@ std::size_t mha_f32_attention_highway_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                                float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_highway, p, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
   mha::highway_kernel::DispatchRun(p, q, k, v, o, lse, ws);
 }
@@ -75,6 +76,9 @@ void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvVie
   }                                                                                               \
   void mha_f32_attention_highway_##name(const mha::Problem& p, const float* q, mha::KvView k,     \
                                         mha::KvView v, float* o, float* lse, mha::Workspace ws) { \
+    if (mha::ragged(p)) {                                                                         \
+      return mha::each_sequence(mha_f32_attention_highway_##name, p, q, k, v, o, lse, ws);        \
+    }                                                                                             \
     const mha::FpEnvGuard default_fp_env;                                                         \
     mha::highway_kernel::N_##TARGET::Run(p, q, k, v, o, lse, ws);                                 \
   }

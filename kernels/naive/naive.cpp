@@ -24,6 +24,7 @@ std::size_t mha_f32_attention_naive_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
                              float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_naive, p, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;  // the caller's FTZ or rounding mode would change o
   const mha::KvType type = p.kv_type;
   const bool i8 = type == mha::KvType::i8;

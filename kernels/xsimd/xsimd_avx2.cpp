@@ -20,6 +20,8 @@ std::size_t mha_f32_attention_xsimd_avx2_workspace(const mha::Problem& p) {
 
 void mha_f32_attention_xsimd_avx2(const mha::Problem& p, const float* q, mha::KvView k,
                                   mha::KvView v, float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(p))
+    return mha::each_sequence(mha_f32_attention_xsimd_avx2, p, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
   mha::xsimd_kernel::Attention<xsimd::fma3<xsimd::avx2>>::run(p, q, k, v, o, lse, ws);
 }

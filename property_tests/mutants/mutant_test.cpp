@@ -125,6 +125,7 @@ std::vector<Property> properties(const KernelInfo& kernel, const ParallelDriver*
       {"reference", [kernel, d] { driver_matches_reference(kernel, d); }},
       {"threads", [kernel, d] { thread_count_does_not_change_a_bit(kernel, d); }},
       {"batch", [kernel, d] { batch_does_not_change_a_sequence(kernel, d); }},
+      {"ragged", [kernel, d] { ragged_batch_equals_separate_calls(kernel, d); }},
   };
 }
 

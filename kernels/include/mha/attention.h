@@ -18,6 +18,10 @@
 //   `is_causal` aligns top-left instead; the two differ whenever q_len != kv_len.)
 // * A row that sees no key (causal with q_len > kv_len) outputs zeros and lse = -inf,
 //   never NaN.
+// * Ragged batches (Problem::q_lens, kv_lens: continuous batching): sequence b has its own
+//   lengths, at most q_len and kv_len (which then size the tensors), and is computed as if
+//   it were a problem of its own (mha::sequence): its causal rule is bottom-right on its
+//   own lengths, rows past its length are not written, padding is never read.
 // * Attention sinks (Problem::sinks, gpt-oss): a logit per query head that joins the
 //   softmax's denominator only, lse[b][h][i] = log(sum_j exp(s[j]) + exp(sinks[h])) and
 //   o = sum_j exp(s[j] - lse) v[j]; a row that sees no key gets o = 0 and lse = sinks[h].
@@ -125,7 +129,42 @@ struct Problem {
   /// the sink, so partial results over KV chunks are computed without it (sinks = null) and
   /// mha::merge adds it once. A sub-problem of heads [h0, h0 + n) takes sinks + h0.
   const float* sinks = nullptr;
+  /// Ragged batches: null (every sequence has q_len queries and kv_len keys), or one length
+  /// per batch element: sequence b's queries are rows [0, q_lens[b]) of q[b] (and of o[b],
+  /// lse[b]) and its keys rows [0, kv_lens[b]) of k[b] and v[b], each within [0, q_len] or
+  /// [0, kv_len] (check()), which size the tensors. Each sequence is computed exactly as the
+  /// problem of its own that mha::sequence(p, b) describes (causal: bottom-right on its own
+  /// lengths, so with a KV cache its queries are its last q_lens[b] positions); rows
+  /// [q_lens[b], q_len) of o and lse are not written and padding rows of q, k and v are not
+  /// read. A sequence with no key writes o = 0 and lse = its sink (-inf without), one with no
+  /// query nothing. Either array may be given alone.
+  const std::int64_t* q_lens = nullptr;
+  const std::int64_t* kv_lens = nullptr;
 };
+
+/// True when p has per-sequence lengths (Problem::q_lens or kv_lens).
+inline bool ragged(const Problem& p) { return p.q_lens != nullptr || p.kv_lens != nullptr; }
+
+/// Sequence b's query and key counts: q_lens[b] and kv_lens[b], or q_len and kv_len.
+inline std::int64_t q_len_of(const Problem& p, std::int64_t b) {
+  return p.q_lens != nullptr ? p.q_lens[b] : p.q_len;
+}
+inline std::int64_t kv_len_of(const Problem& p, std::int64_t b) {
+  return p.kv_lens != nullptr ? p.kv_lens[b] : p.kv_len;
+}
+
+/// Sequence b of p as a problem of its own: batch 1, its lengths, no length arrays, every
+/// other field p's; its tensors start at batch element b of p's (q + b * p.q.batch, ...,
+/// lse + b * p.lse.batch). Its lengths may be 0, which check() rejects: a sequence without
+/// queries computes nothing, one without keys is all rows that see no key.
+inline Problem sequence(const Problem& p, std::int64_t b) {
+  Problem s = p;
+  s.batch = 1;
+  s.q_len = q_len_of(p, b);
+  s.kv_len = kv_len_of(p, b);
+  s.q_lens = s.kv_lens = nullptr;
+  return s;
+}
 
 /// K or V as a kernel reads it: the elements, of the problem's kv_type, and for i8 the
 /// per-row fp32 scales (null otherwise). Converts from any pointer, so an fp32 call reads
@@ -203,11 +242,17 @@ inline Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t
   return p;
 }
 
-/// Number of keys query row `row` sees: a prefix [0, visible_keys) of the keys.
+/// Number of keys query row `row` sees: a prefix [0, visible_keys) of the keys. For a
+/// problem without per-sequence lengths (or one sequence of it: mha::sequence).
 inline std::int64_t visible_keys(const Problem& p, std::int64_t row) {
   if (!p.causal) return p.kv_len;
   const std::int64_t n = row + 1 + (p.kv_len - p.q_len);
   return n < 0 ? 0 : (n > p.kv_len ? p.kv_len : n);
+}
+
+/// The same for row `row` (< q_len_of(p, b)) of sequence b, ragged or not.
+inline std::int64_t visible_keys(const Problem& p, std::int64_t b, std::int64_t row) {
+  return visible_keys(sequence(p, b), row);
 }
 
 /// Query head h's sink logit (Problem::sinks), -inf when p has none.
@@ -267,6 +312,34 @@ using WorkspaceSize = std::size_t (*)(const Problem& p);
 /// environment and the caller's control bits are as they were on return.
 using Kernel = void (*)(const Problem& p, const float* q, KvView k, KvView v, float* o, float* lse,
                         Workspace ws);
+
+/// How a kernel computes a ragged problem (Problem::q_lens, kv_lens): `kernel` (itself) on
+/// each sequence as the problem of its own that mha::sequence describes, so no work is spent
+/// on padding and each sequence's bits are those of its own call. A sequence without a query
+/// is skipped; one without a key gets o = 0 and lse = its sink (-inf without) here. ws serves
+/// every sequence: a kernel's workspace depends on the sizes only (never on batch) and never
+/// decreases as q_len or kv_len grows, and p's lengths bound every sequence's.
+inline void each_sequence(Kernel kernel, const Problem& p, const float* q, KvView k, KvView v,
+                          float* o, float* lse, Workspace ws) {
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const Problem s = sequence(p, b);
+    float* const s_o = o + b * p.o.batch;
+    float* const s_lse = lse != nullptr ? lse + b * p.lse.batch : nullptr;
+    if (s.q_len == 0) continue;
+    if (s.kv_len == 0) {
+      for (std::int64_t h = 0; h < s.q_heads; ++h) {
+        for (std::int64_t i = 0; i < s.q_len; ++i) {
+          float* row = s_o + i * s.o.seq + h * s.o.head;
+          std::fill(row, row + s.head_dim, 0.0f);
+          if (s_lse != nullptr) s_lse[h * s.lse.head + i] = sink_of(s, h);
+        }
+      }
+      continue;
+    }
+    kernel(s, q + b * p.q.batch, kv_row(k, p.kv_type, p.k, p.k_scale, b, 0, 0),
+           kv_row(v, p.kv_type, p.v, p.v_scale, b, 0, 0), s_o, s_lse, ws);
+  }
+}
 
 /// Runs the scope it lives in under the default floating-point environment, and gives the
 /// caller's back when the scope ends. Frameworks may set flush-to-zero and
@@ -441,8 +514,9 @@ inline std::string str(std::int64_t v) { return std::to_string(v); }
 
 }  // namespace detail
 
-/// Validates shapes, strides, scale and the sinks' values. Returns an empty string when the problem
-/// is valid, otherwise one message naming the field and the constraint it breaks.
+/// Validates shapes, strides, scale, the sinks' values and the sequences' lengths. Returns an empty
+/// string when the problem is valid, otherwise one message naming the field and the constraint it
+/// breaks.
 inline std::string check(const Problem& p) {
   using detail::str;
   const struct {
@@ -524,6 +598,23 @@ inline std::string check(const Problem& p) {
     }
   }
 
+  const struct {
+    const char* name;
+    const std::int64_t* lens;
+    std::int64_t most;
+    const char* bound;
+  } lengths[] = {{"q_lens", p.q_lens, p.q_len, "q_len"},
+                 {"kv_lens", p.kv_lens, p.kv_len, "kv_len"}};
+  for (const auto& t : lengths) {
+    if (t.lens == nullptr) continue;
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      if (t.lens[b] < 0 || t.lens[b] > t.most) {
+        return std::string(t.name) + "[" + str(b) + "] (" + str(t.lens[b]) +
+               ") must be within [0, " + t.bound + " " + str(t.most) + "]";
+      }
+    }
+  }
+
   const std::int64_t lse_stride[3] = {p.lse.batch, p.lse.head, 1};
   const std::int64_t lse_extent[3] = {p.batch, p.q_heads, p.q_len};
   if (p.lse.batch < 0 || p.lse.head < 0) {
@@ -595,7 +686,7 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
-      for (std::int64_t i = 0; i < p.q_len; ++i) {
+      for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
         const std::int64_t lse_off = b * parts.lse_strides.batch + h * parts.lse_strides.head + i;
         const std::int64_t part_off =
             b * parts.o_strides.batch + i * parts.o_strides.seq + h * parts.o_strides.head;
@@ -652,9 +743,10 @@ inline void merge_unchecked(const Problem& p, const Parts& parts, float* o, floa
 /// row is zeros with lse -inf. NaN in any part propagates. With sinks (p.sinks), the parts
 /// are results without them (computed with sinks = null) and the sink of head h is counted
 /// once, as one more part of o = 0 and lse = sinks[h]: m and the sum of w_c include it, so
-/// the merged o and lse are those of the whole problem with its sinks. Shapes and the output
-/// strides (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place) when
-/// parts.o_strides equals p.o, since every row is read before it is written. Throws
+/// the merged o and lse are those of the whole problem with its sinks. With per-sequence
+/// lengths (Problem::q_lens) only sequence b's rows [0, q_lens[b]) are read and written. Shapes and
+/// the output strides (p.o, p.lse) come from p; `lse` may be null. `o` may be parts.o[0] (in place)
+/// when parts.o_strides equals p.o, since every row is read before it is written. Throws
 /// std::invalid_argument on bad input: a problem check() rejects, null pointers, or part
 /// strides that are negative or address more than int64_t bytes. Allocates parts.count +
 /// head_dim floats of scratch per call, AllocationError when it cannot (before writing

@@ -54,7 +54,9 @@ struct Plan {
   std::int64_t chunk = 0;      ///< keys per chunk when chunks > 1
 };
 
-/// The decomposition of p (see Plan).
+/// The decomposition of p (see Plan), on its lengths q_len and kv_len. A ragged problem
+/// (Problem::q_lens, kv_lens) is cut sequence by sequence, sequence b as plan(sequence(p, b))
+/// says: exactly as its call alone would be.
 Plan plan(const Problem& p);
 
 /// The thread count the driver uses when given 0: MHA_NUM_THREADS when set (a positive
