@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <set>
@@ -85,6 +86,36 @@ TEST(Check, ScaleMustBeFiniteAndNonZero) {
   }
   Problem p = valid();
   p.scale = -0.5f;  // legal: a negative scale is a valid (if unusual) attention
+  EXPECT_EQ(check(p), "");
+}
+
+TEST(Check, SinksAreFiniteOrMinusInfinity) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> sinks = {0.5f, -inf, -1e30f, 3.0f};  // one per query head (4)
+  Problem p = valid();
+  p.sinks = sinks.data();
+  EXPECT_EQ(check(p), "");
+  sinks[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(check(p), "sinks[2] (nan) must be finite or -inf");
+  sinks[2] = 0.0f;
+  sinks[3] = inf;
+  EXPECT_EQ(check(p), "sinks[3] (inf) must be finite or -inf");
+}
+
+TEST(Check, SequenceLengthsAreWithinTheTensors) {
+  Problem p = valid();  // batch 2, q_len 5, kv_len 7
+  std::vector<std::int64_t> q_lens = {0, 5}, kv_lens = {7, 0};
+  p.q_lens = q_lens.data();
+  p.kv_lens = kv_lens.data();
+  EXPECT_EQ(check(p), "");
+  q_lens[1] = 6;
+  EXPECT_EQ(check(p), "q_lens[1] (6) must be within [0, q_len 5]");
+  q_lens[1] = 1;
+  kv_lens[0] = -1;
+  EXPECT_EQ(check(p), "kv_lens[0] (-1) must be within [0, kv_len 7]");
+  kv_lens[0] = kMax;
+  EXPECT_EQ(check(p), "kv_lens[0] (" + std::to_string(kMax) + ") must be within [0, kv_len 7]");
+  p.kv_lens = nullptr;  // either array alone
   EXPECT_EQ(check(p), "");
 }
 
@@ -246,6 +277,20 @@ TEST(EntryPoint, RejectsOutputsOverlappingInputs) {
             "lse overlaps k: outputs must not share memory with inputs");
   EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.o.data() + 5),
             "lse overlaps o: outputs must not share memory");
+  // The sinks and the sequences' lengths are inputs too.
+  Problem p = b.p;
+  p.sinks = b.o.data() + 1;
+  EXPECT_EQ(check_call(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), nullptr),
+            "o overlaps sinks: outputs must not share memory with inputs");
+  p = b.p;
+  std::vector<std::int64_t> lens(static_cast<std::size_t>(p.batch), 1);
+  p.kv_lens = lens.data();
+  EXPECT_EQ(check_call(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data()), "");
+  // Inside lse (its zeros: lengths 0), at an address an int64_t may have.
+  const auto inside = (reinterpret_cast<std::uintptr_t>(b.lse.data()) + 7) & ~std::uintptr_t{7};
+  p.q_lens = reinterpret_cast<const std::int64_t*>(inside);
+  EXPECT_EQ(check_call(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data()),
+            "lse overlaps q_lens: outputs must not share memory with inputs");
   // Inputs may share memory.
   EXPECT_EQ(check_call(b.p, b.q.data(), b.k.data(), b.k.data(), b.o.data(), b.lse.data()), "");
   EXPECT_THROW(attention(b.p, b.q.data(), b.k.data(), b.v.data(), b.k.data()),
