@@ -2,7 +2,8 @@
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
 // Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>
-// [/kv:<f16|bf16|i8>]/threads:<n>
+// [/kv:<f16|bf16|i8>]/threads:<n>. Family ragged: a decode step of B sequences whose caches
+// hold different numbers of keys (Problem::kv_lens, ragged_lengths below), Lk their capacity.
 // Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac; a reduced KV type also
 // kv_err_max, kv_err_rms (docs/benchmarks.md).
 #include <benchmark/benchmark.h>
@@ -87,7 +88,7 @@ const char* size_name(Size size) {
 }
 
 struct Shape {
-  std::string family;  // prefill, decode, heads, cliffs
+  std::string family;  // prefill, decode, ragged, heads, cliffs
   std::int64_t batch, heads, kv_heads, q_len, kv_len, dim;
   bool causal;
   int threads;
@@ -104,8 +105,25 @@ struct Shape {
     return os.str();
   }
   // One query row per query head: a KV cache, head-major.
-  bool decode() const { return family == "decode" || (family == "cliffs" && q_len == 1); }
+  bool decode() const {
+    return family == "decode" || family == "ragged" || (family == "cliffs" && q_len == 1);
+  }
 };
+
+// The keys of each sequence of a ragged shape: B lengths evenly spread from Lk / 32 to Lk
+// (1024 to 32768 for Lk = 32768, B = 8), as a continuous-batching decode step meets them.
+// Kept for the life of the process, so that problems may point at them.
+const std::vector<std::int64_t>& ragged_lengths(std::int64_t batch, std::int64_t kv_len) {
+  static std::map<std::pair<std::int64_t, std::int64_t>, std::vector<std::int64_t>> made;
+  std::vector<std::int64_t>& lens = made[{batch, kv_len}];
+  if (lens.empty()) {
+    const std::int64_t shortest = std::max<std::int64_t>(1, kv_len / 32);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      lens.push_back(batch > 1 ? shortest + (kv_len - shortest) * b / (batch - 1) : kv_len);
+    }
+  }
+  return lens;
+}
 
 std::vector<Shape> shapes(Size size, int cores) {
   std::vector<Shape> out;
@@ -123,6 +141,7 @@ std::vector<Shape> shapes(Size size, int cores) {
     add("decode", 4, 2, 1, 512, 64, true);
     add("decode", 4, 1, 1, 512, 64, true);
     add("heads", 2, 2, 128, 128, 64, false);
+    out.push_back({"ragged", 4, 4, 2, 1, 512, 64, true, 1});
     for (KvType kv : kReduced) {
       add("decode", 4, 2, 1, 512, 64, true, kv);
       add("prefill", 4, 2, 128, 128, 64, true, kv);
@@ -145,6 +164,9 @@ std::vector<Shape> shapes(Size size, int cores) {
   for (std::int64_t lk : caches) add("decode", 32, 8, 1, lk, 128, true);
   // MHA decode: every query head reads its own KV head.
   add("decode", 8, 8, 1, 32768, 128, true);
+  // Continuous batching: one decode step of 8 sequences of 1024 to 32768 keys.
+  out.push_back({"ragged", 8, 32, 8, 1, 32768, 128, true, 1});
+  if (cores > 1) out.push_back({"ragged", 8, 32, 8, 1, 32768, 128, true, cores});
   // Split-KV decoding: one KV head, a cache in L2 and one in memory.
   add("decode", 8, 1, 1, 1024, 128, true);
   add("decode", 8, 1, 1, 131072, 128, true);
@@ -252,6 +274,8 @@ struct Impl {
   bool portable = false;
   // The KvTypes it reads (registry.h: kv_bit); the baselines fp32 only.
   unsigned kv_types = kKvF32;
+  // Whether it takes sequences of their own lengths (Problem::kv_lens): the baselines do not.
+  bool ragged = true;
 };
 
 // The shapes the portable kernels are compared with the hand-written ones on at the default
@@ -292,7 +316,7 @@ std::vector<Impl> implementations() {
                      baseline->run(p, q, static_cast<const float*>(k.data),
                                    static_cast<const float*>(v.data), o, lse, threads);
                    },
-                   true, ""});
+                   true, "", false, kKvF32, /*ragged=*/false});
   };
 #if MHA_HAVE_OPENBLAS
   composed("composed-openblas", &openblas_sgemm, &openblas_threads);
@@ -343,9 +367,11 @@ struct Workspace {
   double quant_max = 0.0, quant_rms = 0.0;
 };
 
-// The bytes of K and V a call reads: their elements in the stored type, and i8's scales.
+// The bytes of K and V a call reads: their elements in the stored type, and i8's scales (each
+// sequence's own keys: Problem::kv_lens).
 std::int64_t kv_bytes(const Problem& p) {
-  const std::int64_t rows = p.batch * p.kv_heads * p.kv_len;
+  std::int64_t rows = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b) rows += p.kv_heads * kv_len_of(p, b);
   const std::int64_t scales = p.kv_type == KvType::i8 ? 4 : 0;
   return 2 * rows * (p.head_dim * static_cast<std::int64_t>(kv_type_bytes(p.kv_type)) + scales);
 }
@@ -397,6 +423,7 @@ Problem workspace_problem(const Shape& s) {
     p.k = p.v = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, s.dim);
     p.k_scale = p.v_scale = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, 1);
   }
+  if (s.family == "ragged") p.kv_lens = ragged_lengths(s.batch, s.kv_len).data();
   return p;
 }
 
@@ -560,11 +587,17 @@ void quantization_error(Workspace& w) {
   w.quant_rms = out2 > 0 ? std::sqrt(err2 / out2) : 0.0;
 }
 
-// FLOPs as DESIGN.md (section 8) defines them: 4 D per visible query-key pair, over all B H heads.
+// FLOPs as DESIGN.md (section 8) defines them: 4 D per visible query-key pair, over all B H heads
+// (each sequence's own pairs: Problem::q_lens, kv_lens).
 double flops(const Problem& p) {
   double pairs = 0.0;
-  for (std::int64_t i = 0; i < p.q_len; ++i) pairs += static_cast<double>(visible_keys(p, i));
-  return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(p.batch * p.q_heads);
+  for (std::int64_t b = 0; b < (ragged(p) ? p.batch : 1); ++b) {
+    for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
+      pairs += static_cast<double>(visible_keys(p, b, i));
+    }
+  }
+  const std::int64_t copies = ragged(p) ? 1 : p.batch;
+  return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(copies * p.q_heads);
 }
 
 // The counters of one benchmark from the seconds its iterations took.
@@ -689,6 +722,13 @@ Problem planted_problem(const Workspace& w, std::size_t c, KvView& k, KvView& v)
       };
       cut_rows(w.k_view(0), p.k, p.k_scale, k_cut, k_scale_cut);
       cut_rows(w.v_view(0), p.v, p.v_scale, v_cut, v_scale_cut);
+      // A ragged sequence past the cut key has one key fewer.
+      static std::vector<std::int64_t> cut_lens;
+      cut_lens.clear();
+      for (std::int64_t b = 0; p.kv_lens != nullptr && b < p.batch; ++b) {
+        cut_lens.push_back(p.kv_lens[b] - (p.kv_lens[b] > p.kv_len / 2 ? 1 : 0));
+      }
+      cut.kv_lens = p.kv_lens != nullptr ? cut_lens.data() : nullptr;
     }
     k = KvView(k_cut.data(), k_scale_cut.data());
     v = KvView(v_cut.data(), v_scale_cut.data());
@@ -698,6 +738,15 @@ Problem planted_problem(const Workspace& w, std::size_t c, KvView& k, KvView& v)
   const PlantedKeys keys = planted_keys(p);
   Problem out = p;
   out.kv_len = keys.count;
+  if (p.kv_lens != nullptr) {  // each sequence without the keys the plant drops from the whole
+    static std::vector<std::int64_t> lens;
+    lens.clear();
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t first = keys.first, last = keys.first + keys.count;
+      lens.push_back(std::max<std::int64_t>(0, std::min(p.kv_lens[b], last) - first));
+    }
+    out.kv_lens = lens.data();
+  }
   k = advance(k, p.kv_type, keys.first * p.k.seq, keys.first * p.k_scale.seq);
   v = advance(v, p.kv_type, keys.first * p.v.seq, keys.first * p.v_scale.seq);
   return out;
@@ -1205,6 +1254,7 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
         if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
+        if (s.family == "ragged" && !impl.ragged) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),
             [impl, s, shape, index, shape_count, &probe](benchmark::State& st) {

@@ -47,6 +47,10 @@ std::string problem_fields(const Problem& p) {
   strides("k", p.k);
   strides("v", p.v);
   strides("o", p.o);
+  if (p.kv_lens != nullptr) {  // a ragged batch: each sequence's keys
+    os << " kv_lens=";
+    for (std::int64_t b = 0; b < p.batch; ++b) os << (b > 0 ? "," : "") << p.kv_lens[b];
+  }
   if (p.kv_type != KvType::f32) {
     os << " kv_type=" << kv_type_name(p.kv_type);
     if (p.kv_type == KvType::i8) {

@@ -25,6 +25,8 @@
 //   and V stored in a reduced type (mha/kv_types.h), kv_type=f16|bf16|i8 (absent: f32), the
 //   strides counting elements of that type, and for i8 k_scale_strides= and v_scale_strides=
 //   of the per-row fp32 scales, whose paths prepare then adds as k_scale= and v_scale=.
+//   A ragged batch (Problem::kv_lens) adds kv_lens=<l0>,<l1>,...: sequence b sees its first
+//   l_b keys (bottom-right causal on its own length), kv_len the tensors' capacity.
 //   <paths>: comma-separated files, one per copy of the tensor (decode rotates over copies).
 //   <gemm>: m= n= k=, for C[m][n] = A[m][k] B[k][n]; <path>: one file, one copy.
 //   <layer>: batch= d= heads= kv_heads= head_dim= n= past= causal=0|1 bias=0|1, the whole

@@ -287,7 +287,7 @@ def kv_table(rows: list[KvRow]) -> Table:
               "RMS error / RMS output", "best peer", "speedup over peer"]
     out = []
     for r in rows:
-        decode = r.shape.family == "decode"
+        decode = r.shape.decode
         out.append([f"{r.shape.family} {replace(r.shape, kv='f32').label()}", r.shape.kv,
                     _name(r.kernel), _fmt(r.kernel.ms, 3), _fmt(r.gbps, 1) if decode else "",
                     _fmt(r.bw_frac, 3) if decode else "", _name(r.fp32), _fmt(r.fp32.ms, 3),
@@ -388,7 +388,7 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
             family = shape.family
             report.heading(family, 3)
         report.para(f"**{shape.label()}**")
-        report.table(shape_table(shape_rows(results, shape), shape.family == "decode"))
+        report.table(shape_table(shape_rows(results, shape), shape.decode))
     if results.gemm_shapes():
         report.heading("gemm", 3)
     for gemm in results.gemm_shapes():

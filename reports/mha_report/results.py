@@ -18,6 +18,10 @@ Two more families measure what surrounds attention (bench/layer_bench.h):
 Their runs are parsed into GemmShape and LayerShape runs beside the attention ones; the
 statistics (stats.py) take any of the three shapes.
 
+The ``ragged`` family is a decode step of B sequences whose caches hold different numbers of
+keys (mha::Problem::kv_lens): ``Lk`` is the caches' capacity, the lengths are spread evenly
+from Lk / 32 to Lk (ragged_lengths, as bench/main.cpp makes them).
+
 The cliff sweep (``cliffs/<kernel>/caches:<config>/B:.../threads:1/iterations:<n>``) times
 every tiled kernel under several cache configurations (``native``: this CPU's own; else
 ``<L1d>-<L2>``, the tiling of another machine), head widths and groups, prefill (Lq = Lk) and
@@ -63,6 +67,15 @@ KV_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i8": 1}
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
+def ragged_lengths(batch: int, kv_len: int) -> list[int]:
+    """The keys of each sequence of a ragged shape (bench/main.cpp's ragged_lengths): B
+    lengths evenly spread from Lk / 32 to Lk."""
+    shortest = max(1, kv_len // 32)
+    if batch == 1:
+        return [kv_len]
+    return [shortest + (kv_len - shortest) * b // (batch - 1) for b in range(batch)]
+
+
 @dataclass(frozen=True, order=True)
 class Shape:
     family: str
@@ -82,20 +95,34 @@ class Shape:
                 f"/Lq:{self.q_len}/Lk:{self.kv_len}/D:{self.dim}/causal:{int(self.causal)}"
                 f"{kv}/threads:{self.threads}")
 
+    @property
+    def decode(self) -> bool:
+        """One new query row per head against a KV cache: decode and ragged."""
+        return self.family in ("decode", "ragged")
+
     def label(self) -> str:
-        """Short, for tables: 'H=32 Hkv=8 L=2048 D=128 causal, 1 thread'."""
-        length = f"Lk={self.kv_len}" if self.family == "decode" else (
-            f"L={self.q_len}" if self.q_len == self.kv_len else f"Lq={self.q_len} Lk={self.kv_len}")
+        """Short, for tables: 'H=32 Hkv=8 L=2048 D=128 causal, 1 thread'; a ragged batch's
+        keys as 'Lk=1024..32768'."""
+        if self.family == "ragged":
+            lens = ragged_lengths(self.batch, self.kv_len)
+            length = f"Lk={lens[0]}..{lens[-1]}"
+        elif self.family == "decode":
+            length = f"Lk={self.kv_len}"
+        else:
+            length = (f"L={self.q_len}" if self.q_len == self.kv_len
+                      else f"Lq={self.q_len} Lk={self.kv_len}")
         batch = f"B={self.batch} " if self.batch != 1 else ""
         kv = "" if self.kv == "f32" else f" KV {self.kv}"
         return (f"{batch}H={self.heads} Hkv={self.kv_heads} {length} D={self.dim}"
-                f"{' causal' if self.causal and self.family != 'decode' else ''}{kv}, "
+                f"{' causal' if self.causal and not self.decode else ''}{kv}, "
                 f"{self.threads} thread{'s' if self.threads > 1 else ''}")
 
     def kv_bytes(self) -> int:
         """Bytes of K and V as stored: elements of the KV type, and i8's row scales."""
         row = self.dim * KV_TYPE_BYTES[self.kv] + (4 if self.kv == "i8" else 0)
-        return self.batch * self.kv_heads * self.kv_len * row * 2
+        keys = (sum(ragged_lengths(self.batch, self.kv_len)) if self.family == "ragged"
+                else self.batch * self.kv_len)
+        return self.kv_heads * keys * row * 2
 
     def io_bytes(self) -> int:
         """Unique bytes of q, k, v and o: the least traffic a call can have."""

@@ -53,10 +53,14 @@ class Peer(Framework):
     # The KV types (Problem.kv_type) the peer's form reads; a peer is absent from the rows of
     # the others.
     kv_types: tuple[str, ...] = ("f32",)
+    # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys).
+    ragged = False
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.kv_type not in self.kv_types:
             return f"K and V in {p.kv_type}: {self.name} reads {', '.join(self.kv_types)} only"
+        if p.kv_lens is not None and not self.ragged:
+            return f"sequences of their own lengths: {self.name} takes no per-sequence lengths"
         return p.why_unsupported()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -118,12 +122,13 @@ class TorchSdpa(Peer):
 
     how = (
         "layout: [B, H, L, D] views, no copy; GQA: enable_gqa; mask: is_causal (Lq = Lk), "
-        "else boolean; f16/bf16 K, V in place, q in their type, output in it; fused path: "
-        "PyTorch picks (not checked)")
+        "else boolean (ragged batches: [B, 1, Lq, Lk], padding masked); f16/bf16 K, V in "
+        "place, q in their type, output in it; fused path: PyTorch picks (not checked)")
 
     name = "peer-torch-sdpa"
     package = "torch"
     kv_types = ("f32", "f16", "bf16")
+    ragged = True
 
     def load(self) -> None:
         self.torch = load_torch()
@@ -143,7 +148,11 @@ class TorchSdpa(Peer):
         torch.set_num_threads(threads)
         heads_first = [[x.permute(0, 2, 1, 3) for x in self.tensors(p, xs, kv)]
                        for xs, kv in ((t.q, False), (t.k, True), (t.v, True))]
-        mask = torch.from_numpy(p.visible()) if p.mask is Mask.EXPLICIT else None
+        mask = None
+        if p.mask is Mask.EXPLICIT:
+            mask = torch.from_numpy(p.visible())
+        elif p.mask is Mask.RAGGED:
+            mask = torch.from_numpy(p.sequences_visible())
         self.out = None
 
         def call(c: int) -> None:
@@ -180,8 +189,8 @@ class TorchSdpaGrouped(_Grouped, TorchSdpa):
     other problems are peer-torch-sdpa's."""
 
     how = (
-        "folded: q [B, Hkv, g, D] against K, V [B, Hkv, L, D], no mask; grouped-query decode "
-        "only; fused path: PyTorch picks (not checked)")
+        "folded: q [B, Hkv, g, D] against K, V [B, Hkv, L, D], no mask (ragged batches: "
+        "[B, 1, 1, Lk]); grouped-query decode only; fused path: PyTorch picks (not checked)")
 
     name = "peer-torch-sdpa-grouped"
     plain = TorchSdpa.name
@@ -194,13 +203,15 @@ class TorchSdpaGrouped(_Grouped, TorchSdpa):
         q = self.tensors(p, t.q[:1], kv=False)[0].view(b, hkv, g, d)
         kv = [[x.permute(0, 2, 1, 3) for x in self.tensors(p, xs, kv=True)]
               for xs in (t.k, t.v)]
+        # A ragged batch: each sequence's padding masked, [B, 1, 1, Lk] over its g rows.
+        mask = torch.from_numpy(p.sequences_visible()) if p.mask is Mask.RAGGED else None
         self.out = None
 
         def call(c: int) -> None:
             k, v = (xs[c % len(xs)] for xs in kv)
             with torch.inference_mode():
-                self.out = torch.nn.functional.scaled_dot_product_attention(q, k, v,
-                                                                            scale=p.scale)
+                self.out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=p.scale)
 
         return call
 
@@ -334,17 +345,22 @@ class OrtGqa(_Ort):
     past_key/past_value with present_key/present_value bound to the same buffers (ONNX
     Runtime's shared KV buffer, as generation loops run it), seqlens_k = kv_len - 1, and the
     new tokens' K and V rows as key/value: the operator writes them back to the cache rows
-    they came from, so the cache is unchanged."""
+    they came from, so the cache is unchanged. A ragged decode batch (kv_lens) is its native
+    form: seqlens_k[b] = kv_lens[b] - 1 per sequence, the new token of sequence b its row
+    kv_lens[b] - 1, total_sequence_length the cache's capacity."""
 
     how = (
         "com.microsoft GroupQueryAttention, fused, always causal; decode through its shared "
-        "past/present KV buffer")
+        "past/present KV buffer; ragged decode batches through seqlens_k")
 
     name = "peer-ort-gqa"
+    ragged = True
 
     def why_unsupported(self, p: Problem) -> str | None:
         if not p.causal:
             return "GroupQueryAttention is always causal"
+        if p.kv_lens is not None and p.q_len != 1:
+            return "per-sequence lengths as decode steps only (seqlens_k, one new token each)"
         return super().why_unsupported(p)
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -364,14 +380,21 @@ class OrtGqa(_Ort):
         else:
             caches_k = [as_head_major(x) for x in t.k]
             caches_v = [as_head_major(x) for x in t.v]
-            new_k = [self.value(np.ascontiguousarray(x[:, past_len:].reshape(b, p.q_len, -1)))
-                     for x in t.k]
-            new_v = [self.value(np.ascontiguousarray(x[:, past_len:].reshape(b, p.q_len, -1)))
-                     for x in t.v]
+            # Each sequence's new token: the last row of its own keys.
+            lens = p.kv_lens if p.kv_lens is not None else (p.kv_len,) * b
+
+            def new_rows(x: np.ndarray) -> object:
+                rows = np.stack([x[s, n - p.q_len:n] for s, n in enumerate(lens)])
+                return self.value(np.ascontiguousarray(rows.reshape(b, p.q_len, -1)))
+
+            new_k = [new_rows(x) for x in t.k]
+            new_v = [new_rows(x) for x in t.v]
             past_k = [self.value(x) for x in caches_k]
             past_v = [self.value(x) for x in caches_v]
             present_k, present_v = past_k, past_v
-        seqlens = self.value(np.full((b,), p.kv_len - 1, dtype=np.int32))
+        seqlens = self.value(np.array([n - 1 for n in p.kv_lens], dtype=np.int32)
+                             if p.kv_lens is not None
+                             else np.full((b,), p.kv_len - 1, dtype=np.int32))
         total = self.value(np.array(p.kv_len, dtype=np.int32))
 
         names = ["Q", "K", "V", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
@@ -413,15 +436,17 @@ class OpenVinoSdpa(Peer):
     """OpenVINO's opset13 ScaledDotProductAttention on its CPU plugin, f32 precision hint:
     Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D] (broadcast over the g query heads
     of a group), the reshapes and transposes from the tensors' layouts inside the model,
-    causal (top-left) when q_len == kv_len, a boolean mask otherwise."""
+    causal (top-left) when q_len == kv_len, a boolean mask otherwise (a ragged batch's:
+    [B, 1, 1, Lq, Lk])."""
 
     how = (
         "opset13 SDPA, plain model: Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D]; "
-        "mask: causal (Lq = Lk), else boolean; fused path: no (decomposed or a Snippets "
-        "subgraph)")
+        "mask: causal (Lq = Lk), else boolean (ragged batches: per sequence); fused path: no "
+        "(decomposed or a Snippets subgraph)")
 
     name = "peer-openvino-sdpa"
     package = "openvino"
+    ragged = True
 
     def load(self) -> None:
         import openvino
@@ -452,10 +477,11 @@ class OpenVinoSdpa(Peer):
         params = [q_param, k_param, v_param]
         arrays = [q_in, k_in, v_in]
         scale = ops.constant(np.float32(p.scale))
-        if p.mask is Mask.EXPLICIT:
-            mask_param = ops.parameter([p.q_len, p.kv_len], bool)
+        if p.mask in (Mask.EXPLICIT, Mask.RAGGED):
+            visible = p.visible() if p.mask is Mask.EXPLICIT else p.sequences_visible()[:, None]
+            mask_param = ops.parameter(list(visible.shape), bool)
             params.append(mask_param)
-            arrays.append([np.ascontiguousarray(p.visible())])
+            arrays.append([np.ascontiguousarray(visible)])
             out = ops.scaled_dot_product_attention(q5, k5, v5, mask_param, scale, causal=False)
         else:
             zero = ops.constant(np.zeros((1, 1), dtype=np.float32))
@@ -511,6 +537,7 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     # moves), so the bytes it reads per element are i8's.
     kv_types = ("f32", "f16", "bf16", "i8")
     CACHE_PRECISION = {"f32": "f32", "f16": "f16", "bf16": "bf16", "i8": "u8"}
+    ragged = False  # one state shared by the batch: no per-sequence lengths
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.q_len != 1 and p.q_len != p.kv_len:

@@ -2,7 +2,9 @@
 
 The fields and their meaning are those of ``mha::Problem`` (kernels/include/mha/attention.h):
 element strides ``(batch, seq, head)`` for q, k, v and o, the head_dim axis contiguous, and
-causal masking aligned bottom-right (query ``i`` sees keys ``j <= i + kv_len - q_len``).
+causal masking aligned bottom-right (query ``i`` sees keys ``j <= i + kv_len - q_len``). A
+ragged batch (``kv_lens``) gives each sequence ``b`` its own first ``kv_lens[b]`` keys, the
+causal rule bottom-right on that length; ``kv_len`` is the tensors' capacity.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Mask(Enum):
     NONE = "none"  # every row sees every key: no mask at all
     CAUSAL = "causal"  # the usual lower triangle (q_len == kv_len): the framework's own flag
     EXPLICIT = "explicit"  # bottom-right causal with 1 < q_len != kv_len: a boolean mask
+    RAGGED = "ragged"  # each sequence its own keys (kv_lens): a boolean mask per sequence
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class Problem:
     kv_type: str = "f32"
     k_scale_strides: Strides | None = None
     v_scale_strides: Strides | None = None
+    # A ragged batch: each sequence's keys (mha::Problem::kv_lens), or None.
+    kv_lens: tuple[int, ...] | None = None
 
     @property
     def group(self) -> int:
@@ -57,6 +62,8 @@ class Problem:
 
     @property
     def mask(self) -> Mask:
+        if self.kv_lens is not None:
+            return Mask.RAGGED
         if not self.causal or self.q_len == 1:
             return Mask.NONE  # a single query row sees the whole cache, bottom-right
         if self.q_len == self.kv_len:
@@ -77,10 +84,25 @@ class Problem:
             return np.ones((self.q_len, self.kv_len), dtype=bool)
         return cols <= rows + (self.kv_len - self.q_len)
 
+    def sequences_visible(self) -> np.ndarray:
+        """[batch, 1, q_len, kv_len] booleans: True where query row i of sequence b sees key
+        j (its own kv_lens[b] keys, bottom-right causal on them); kv_lens None: every
+        sequence alike."""
+        rows = np.arange(self.q_len)[:, None]
+        cols = np.arange(self.kv_len)[None, :]
+        lens = self.kv_lens if self.kv_lens is not None else (self.kv_len,) * self.batch
+        out = np.empty((self.batch, 1, self.q_len, self.kv_len), dtype=bool)
+        for b, n in enumerate(lens):
+            out[b, 0] = (cols < n) & ((cols <= rows + (n - self.q_len)) if self.causal else True)
+        return out
+
     def why_unsupported(self) -> str | None:
         """Why no framework can compute this problem as the project defines it, or None."""
         if self.causal and self.q_len > self.kv_len:
             return "causal with q_len > kv_len: rows that see no key are zeros here, NaN there"
+        if self.kv_lens is not None and (
+                min(self.kv_lens) < 1 or (self.causal and min(self.kv_lens) < self.q_len)):
+            return "a sequence whose rows see no key: zeros here, NaN there"
         return None
 
     @staticmethod
@@ -110,6 +132,8 @@ class Problem:
             kv_type=kv_type,
             k_scale_strides=strides("k_scale") if i8 else None,
             v_scale_strides=strides("v_scale") if i8 else None,
+            kv_lens=(tuple(int(x) for x in fields["kv_lens"].split(","))
+                     if "kv_lens" in fields else None),
         )
 
 
@@ -236,7 +260,7 @@ def attention(p: Problem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
     kh = np.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
     vh = np.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
     s = p.scale * (qh @ kh.transpose(0, 1, 3, 2))
-    s = np.where(p.visible(), s, -np.inf)
+    s = np.where(p.sequences_visible(), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     w = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     w /= w.sum(axis=-1, keepdims=True)

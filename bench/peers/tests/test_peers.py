@@ -27,7 +27,8 @@ from mha_peers.server import Server, serve
 
 
 def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int,
-                 causal: bool, kv_head_major: bool = False, pad: int = 0) -> Problem:
+                 causal: bool, kv_head_major: bool = False, pad: int = 0,
+                 kv_lens: tuple[int, ...] | None = None) -> Problem:
     """Token-major q and o; k and v token- or head-major; `pad` floats after every row."""
     def strides(length: int, h: int, head_major: bool) -> tuple[int, int, int]:
         row = dim + pad
@@ -37,7 +38,8 @@ def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
 
     return Problem(batch, q_len, kv_len, heads, kv_heads, dim, causal, 1 / math.sqrt(dim),
                    strides(q_len, heads, False), strides(kv_len, kv_heads, kv_head_major),
-                   strides(kv_len, kv_heads, kv_head_major), strides(q_len, heads, False))
+                   strides(kv_len, kv_heads, kv_head_major), strides(q_len, heads, False),
+                   kv_lens=kv_lens)
 
 
 def extent(p: Problem, length: int, heads: int, strides: tuple[int, int, int]) -> int:
@@ -85,6 +87,12 @@ CASES = {
                                    causal=True),
     "decode-padded": dict(batch=2, q_len=1, kv_len=19, heads=4, kv_heads=2, dim=24,
                           causal=False, pad=3),
+    # Ragged batches (Problem.kv_lens): a decode step of sequences of their own cache lengths,
+    # and a non-causal batch of several query rows.
+    "decode-ragged": dict(batch=3, q_len=1, kv_len=300, heads=8, kv_heads=2, dim=64,
+                          causal=True, kv_head_major=True, kv_lens=(300, 17, 150)),
+    "ragged-rows": dict(batch=2, q_len=6, kv_len=40, heads=4, kv_heads=4, dim=16,
+                        causal=False, kv_lens=(9, 40)),
 }
 
 
@@ -107,12 +115,17 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     if why is not None:
         # The peers that decline: ORT's GQA operator (causal only), the grouped forms
         # (grouped-query decode steps only), OpenVINO's KV-cache form (prefill and decode).
+        # A ragged batch: the peers without per-sequence lengths, and ORT's GQA operator
+        # beyond decode steps.
         assert ((cls.name == "peer-ort-gqa" and not p.causal)
                 or (cls.name.endswith("-grouped") and not p.grouped_decode)
-                or (cls is OpenVinoSdpaKvCache and 1 < p.q_len < p.kv_len))
+                or (cls is OpenVinoSdpaKvCache and 1 < p.q_len < p.kv_len)
+                or (p.kv_lens is not None and not cls.ragged)
+                or (cls.name == "peer-ort-gqa" and p.kv_lens is not None and p.q_len != 1))
         pytest.skip(why)
     rng = np.random.default_rng(7)
     q, k, v, o = buffers(p, rng, copies=2)
+    inputs = [x.copy() for x in q + k + v]
     t = Tensors.from_buffers(p, q, k, v, o)
     call = peer.prepare(p, t, threads=1)
     # The last call, on copy 0, is the one written out; OpenVINO's KV-cache decode appends
@@ -121,6 +134,9 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     for c in steps:
         call(c)
     peer.write_output(p, t)
+    # Inputs are read only (ORT's GQA writes each new key back to the cache row it came from).
+    assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(inputs, q + k + v)), (
+        f"{peer.name} on {case} changed its inputs")
     want = attention(p, t.q[0], t.k[0], t.v[0])
     err = np.abs(t.o - want).max()
     assert err <= error_bound(p), f"{peer.name} on {case}: max |error| {err:.3g}"
