@@ -2,7 +2,8 @@
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
 // Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>
-// [/kv:<f16|bf16|i8>]/threads:<n>. Family ragged: a decode step of B sequences whose caches
+// [/kv:<f16|bf16|i8>][/sinks:1]/threads:<n>. /sinks:1: with attention sinks (Problem::sinks,
+// sink_logits below). Family ragged: a decode step of B sequences whose caches
 // hold different numbers of keys (Problem::kv_lens, ragged_lengths below), Lk their capacity.
 // Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac; a reduced KV type also
 // kv_err_max, kv_err_rms (docs/benchmarks.md).
@@ -94,6 +95,7 @@ struct Shape {
   int threads;
   std::string caches = "";  // cliffs: the cache configuration's name (cliff_configs)
   KvType kv = KvType::f32;  // K and V as stored: "/kv:<type>" in the name unless f32
+  bool sinks = false;       // attention sinks (Problem::sinks): "/sinks:1" in the name
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
@@ -101,7 +103,7 @@ struct Shape {
        << "/H:" << heads << "/Hkv:" << kv_heads << "/Lq:" << q_len << "/Lk:" << kv_len
        << "/D:" << dim << "/causal:" << causal
        << (kv == KvType::f32 ? "" : std::string("/kv:") + kv_type_name(kv))
-       << "/threads:" << threads;
+       << (sinks ? "/sinks:1" : "") << "/threads:" << threads;
     return os.str();
   }
   // One query row per query head: a KV cache, head-major.
@@ -109,6 +111,14 @@ struct Shape {
     return family == "decode" || family == "ragged" || (family == "cliffs" && q_len == 1);
   }
 };
+
+// The sink logits of a shape with sinks (Problem::sinks), one per query head, by the shape's
+// name: set by workspace() once its inputs are made (sink_logits_for), so that each weighs
+// about as much as all of its head's keys (a peer that dropped them would fail the check).
+std::vector<float>& sink_logits(const std::string& shape) {
+  static std::map<std::string, std::vector<float>> made;
+  return made[shape];
+}
 
 // The keys of each sequence of a ragged shape: B lengths evenly spread from Lk / 32 to Lk
 // (1024 to 32768 for Lk = 32768, B = 8), as a continuous-batching decode step meets them.
@@ -142,6 +152,7 @@ std::vector<Shape> shapes(Size size, int cores) {
     add("decode", 4, 1, 1, 512, 64, true);
     add("heads", 2, 2, 128, 128, 64, false);
     out.push_back({"ragged", 4, 4, 2, 1, 512, 64, true, 1});
+    out.push_back({"prefill", 1, 4, 2, 128, 128, 64, true, 1, "", KvType::f32, true});
     for (KvType kv : kReduced) {
       add("decode", 4, 2, 1, 512, 64, true, kv);
       add("prefill", 4, 2, 128, 128, 64, true, kv);
@@ -155,6 +166,11 @@ std::vector<Shape> shapes(Size size, int cores) {
            : std::vector<std::int64_t>{512, 2048};
   for (std::int64_t l : lengths) {
     for (bool causal : {false, true}) add("prefill", 32, 8, l, l, 128, causal);
+  }
+  // Attention sinks (gpt-oss) on the main causal prefill shape, beside the same without.
+  for (int threads : {1, cores}) {
+    if (threads > 1 && cores == 1) break;
+    out.push_back({"prefill", 1, 32, 8, 2048, 2048, 128, true, threads, "", KvType::f32, true});
   }
   if (full) add("prefill", 32, 8, 2048, 2048, 64, false);
   // Decode: one query against a KV cache.
@@ -274,8 +290,8 @@ struct Impl {
   bool portable = false;
   // The KvTypes it reads (registry.h: kv_bit); the baselines fp32 only.
   unsigned kv_types = kKvF32;
-  // Whether it takes sequences of their own lengths (Problem::kv_lens): the baselines do not.
-  bool ragged = true;
+  // Whether it takes the attention variants (Problem::kv_lens, sinks): the baselines do not.
+  bool variants = true;
 };
 
 // The shapes the portable kernels are compared with the hand-written ones on at the default
@@ -316,7 +332,7 @@ std::vector<Impl> implementations() {
                      baseline->run(p, q, static_cast<const float*>(k.data),
                                    static_cast<const float*>(v.data), o, lse, threads);
                    },
-                   true, "", false, kKvF32, /*ragged=*/false});
+                   true, "", false, kKvF32, /*variants=*/false});
   };
 #if MHA_HAVE_OPENBLAS
   composed("composed-openblas", &openblas_sgemm, &openblas_threads);
@@ -424,6 +440,13 @@ Problem workspace_problem(const Shape& s) {
     p.k_scale = p.v_scale = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, 1);
   }
   if (s.family == "ragged") p.kv_lens = ragged_lengths(s.batch, s.kv_len).data();
+  if (s.sinks) {
+    Shape key = s;
+    key.caches.clear();
+    std::vector<float>& sinks = sink_logits(key.name(""));
+    sinks.resize(static_cast<std::size_t>(s.heads), 0.0f);
+    p.sinks = sinks.data();
+  }
   return p;
 }
 
@@ -474,6 +497,17 @@ Workspace& workspace(const Shape& s, const Probe& probe) {
   }
   w.o.assign(static_cast<std::size_t>(o_extent(w.p)), 0.0f);
   w.lse.assign(static_cast<std::size_t>(lse_extent(w.p)), 0.0f);
+  if (p.sinks != nullptr) {
+    // Each head's sink: the lse of its middle row without sinks (batch 0), so that the sink
+    // weighs about as much as the keys that row sees.
+    Problem plain = p;
+    plain.sinks = nullptr;
+    const std::int64_t row = p.q_len / 2;
+    const ref::Result r =
+        ref::attention(plain, w.q[0].data(), w.k_view(0), w.v_view(0), row, row + 1);
+    float* sinks = const_cast<float*>(p.sinks);
+    for (std::int64_t h = 0; h < p.q_heads; ++h) sinks[h] = static_cast<float>(r.lse_at(0, h, row));
+  }
   return w;
 }
 
@@ -1254,7 +1288,7 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
         if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
-        if (s.family == "ragged" && !impl.ragged) continue;
+        if ((s.family == "ragged" || s.sinks) && !impl.variants) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),
             [impl, s, shape, index, shape_count, &probe](benchmark::State& st) {

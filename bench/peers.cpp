@@ -47,6 +47,10 @@ std::string problem_fields(const Problem& p) {
   strides("k", p.k);
   strides("v", p.v);
   strides("o", p.o);
+  if (p.sinks != nullptr) {  // attention sinks: one logit per query head
+    os << " sinks=";
+    for (std::int64_t h = 0; h < p.q_heads; ++h) os << (h > 0 ? "," : "") << p.sinks[h];
+  }
   if (p.kv_lens != nullptr) {  // a ragged batch: each sequence's keys
     os << " kv_lens=";
     for (std::int64_t b = 0; b < p.batch; ++b) os << (b > 0 ? "," : "") << p.kv_lens[b];

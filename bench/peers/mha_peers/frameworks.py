@@ -53,14 +53,18 @@ class Peer(Framework):
     # The KV types (Problem.kv_type) the peer's form reads; a peer is absent from the rows of
     # the others.
     kv_types: tuple[str, ...] = ("f32",)
-    # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys).
+    # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys) and
+    # attention sinks (Problem.sinks).
     ragged = False
+    sinks = False
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.kv_type not in self.kv_types:
             return f"K and V in {p.kv_type}: {self.name} reads {', '.join(self.kv_types)} only"
         if p.kv_lens is not None and not self.ragged:
             return f"sequences of their own lengths: {self.name} takes no per-sequence lengths"
+        if p.sinks is not None and not self.sinks:
+            return f"attention sinks: {self.name} takes none"
         return p.why_unsupported()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -347,14 +351,17 @@ class OrtGqa(_Ort):
     new tokens' K and V rows as key/value: the operator writes them back to the cache rows
     they came from, so the cache is unchanged. A ragged decode batch (kv_lens) is its native
     form: seqlens_k[b] = kv_lens[b] - 1 per sequence, the new token of sequence b its row
-    kv_lens[b] - 1, total_sequence_length the cache's capacity."""
+    kv_lens[b] - 1, total_sequence_length the cache's capacity. Attention sinks through its
+    head_sink input (ONNX Runtime 1.22 and later)."""
 
     how = (
         "com.microsoft GroupQueryAttention, fused, always causal; decode through its shared "
-        "past/present KV buffer; ragged decode batches through seqlens_k")
+        "past/present KV buffer; ragged decode batches through seqlens_k; sinks through "
+        "head_sink")
 
     name = "peer-ort-gqa"
     ragged = True
+    sinks = True
 
     def why_unsupported(self, p: Problem) -> str | None:
         if not p.causal:
@@ -401,8 +408,16 @@ class OrtGqa(_Ort):
         types = [TensorProto.FLOAT] * 5 + [TensorProto.INT32] * 2
         shapes = [[b, None, p.q_heads * d], [b, None, hkv * d], [b, None, hkv * d],
                   [b, hkv, None, d], [b, hkv, None, d], [b], []]
+        feeds = [q, new_k, new_v, past_k, past_v, [seqlens], [total]]
+        inputs = list(names)
+        if p.sinks is not None:  # optional inputs 7-10 (rotary, position ids, bias) absent
+            inputs += ["", "", "", "", "head_sink"]
+            names.append("head_sink")
+            types.append(TensorProto.FLOAT)
+            shapes.append([p.q_heads])
+            feeds.append([self.value(np.array(p.sinks, dtype=np.float32))])
         node = helper.make_node(
-            "GroupQueryAttention", names, ["O", "present_key", "present_value"],
+            "GroupQueryAttention", inputs, ["O", "present_key", "present_value"],
             domain="com.microsoft", num_heads=p.q_heads, kv_num_heads=hkv, scale=p.scale)
         graph = helper.make_graph(
             [node], "gqa",
@@ -416,7 +431,7 @@ class OrtGqa(_Ort):
         bindings = []
         for c in range(t.copies):
             io = session.io_binding()
-            for n, f in zip(names, [q, new_k, new_v, past_k, past_v, [seqlens], [total]]):
+            for n, f in zip(names, feeds):
                 io.bind_ortvalue_input(n, f[c % len(f)])
             io.bind_ortvalue_output("O", self.value(self.out))
             if present_k is None:

@@ -4,7 +4,8 @@ The fields and their meaning are those of ``mha::Problem`` (kernels/include/mha/
 element strides ``(batch, seq, head)`` for q, k, v and o, the head_dim axis contiguous, and
 causal masking aligned bottom-right (query ``i`` sees keys ``j <= i + kv_len - q_len``). A
 ragged batch (``kv_lens``) gives each sequence ``b`` its own first ``kv_lens[b]`` keys, the
-causal rule bottom-right on that length; ``kv_len`` is the tensors' capacity.
+causal rule bottom-right on that length; ``kv_len`` is the tensors' capacity. Attention sinks
+(``sinks``, one logit per query head) join each head's softmax denominator only.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Problem:
     v_scale_strides: Strides | None = None
     # A ragged batch: each sequence's keys (mha::Problem::kv_lens), or None.
     kv_lens: tuple[int, ...] | None = None
+    # Attention sinks: one logit per query head (mha::Problem::sinks), or None.
+    sinks: tuple[float, ...] | None = None
 
     @property
     def group(self) -> int:
@@ -134,6 +137,8 @@ class Problem:
             v_scale_strides=strides("v_scale") if i8 else None,
             kv_lens=(tuple(int(x) for x in fields["kv_lens"].split(","))
                      if "kv_lens" in fields else None),
+            sinks=(tuple(float(x) for x in fields["sinks"].split(","))
+                   if "sinks" in fields else None),
         )
 
 
@@ -261,7 +266,9 @@ def attention(p: Problem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
     vh = np.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
     s = p.scale * (qh @ kh.transpose(0, 1, 3, 2))
     s = np.where(p.sequences_visible(), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    sink = (np.array(p.sinks, dtype=np.float64)[None, :, None, None] if p.sinks is not None
+            else np.full((1, p.q_heads, 1, 1), -np.inf))
+    m = np.maximum(s.max(axis=-1, keepdims=True), sink)
     w = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    w /= w.sum(axis=-1, keepdims=True)
+    w /= w.sum(axis=-1, keepdims=True) + np.exp(sink - np.where(np.isfinite(m), m, 0.0))
     return (w @ vh).transpose(0, 2, 1, 3)

@@ -28,7 +28,8 @@ from mha_peers.server import Server, serve
 
 def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int,
                  causal: bool, kv_head_major: bool = False, pad: int = 0,
-                 kv_lens: tuple[int, ...] | None = None) -> Problem:
+                 kv_lens: tuple[int, ...] | None = None,
+                 sinks: tuple[float, ...] | None = None) -> Problem:
     """Token-major q and o; k and v token- or head-major; `pad` floats after every row."""
     def strides(length: int, h: int, head_major: bool) -> tuple[int, int, int]:
         row = dim + pad
@@ -39,7 +40,7 @@ def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
     return Problem(batch, q_len, kv_len, heads, kv_heads, dim, causal, 1 / math.sqrt(dim),
                    strides(q_len, heads, False), strides(kv_len, kv_heads, kv_head_major),
                    strides(kv_len, kv_heads, kv_head_major), strides(q_len, heads, False),
-                   kv_lens=kv_lens)
+                   kv_lens=kv_lens, sinks=sinks)
 
 
 def extent(p: Problem, length: int, heads: int, strides: tuple[int, int, int]) -> int:
@@ -93,6 +94,12 @@ CASES = {
                           causal=True, kv_head_major=True, kv_lens=(300, 17, 150)),
     "ragged-rows": dict(batch=2, q_len=6, kv_len=40, heads=4, kv_heads=4, dim=16,
                         causal=False, kv_lens=(9, 40)),
+    # Attention sinks (Problem.sinks): weighing about as much as the keys (logits of inputs
+    # in [-1, 1] are within a few units of 0, their lse about log(Lk)), and little.
+    "prefill-causal-sinks": dict(batch=2, q_len=30, kv_len=30, heads=4, kv_heads=2, dim=32,
+                                 causal=True, sinks=(3.0, 0.5, -2.0, 1.5)),
+    "decode-sinks": dict(batch=1, q_len=1, kv_len=200, heads=4, kv_heads=1, dim=32,
+                         causal=True, kv_head_major=True, sinks=(5.0, 5.3, 2.0, -4.0)),
 }
 
 
@@ -121,6 +128,7 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
                 or (cls.name.endswith("-grouped") and not p.grouped_decode)
                 or (cls is OpenVinoSdpaKvCache and 1 < p.q_len < p.kv_len)
                 or (p.kv_lens is not None and not cls.ragged)
+                or (p.sinks is not None and not cls.sinks)
                 or (cls.name == "peer-ort-gqa" and p.kv_lens is not None and p.q_len != 1))
         pytest.skip(why)
     rng = np.random.default_rng(7)
