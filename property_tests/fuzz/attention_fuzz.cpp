@@ -12,15 +12,28 @@
 //    reference (reference/tolerance.h), compared as property_tests/compare.cpp compares.
 // Anything else aborts, which libFuzzer records as a crash.
 //
-// The input, in order (reads past its end give zeros; make_corpus.py writes seeds):
+// The input, in order (reads past its end give zeros; make_corpus.py writes seeds). It is
+// read whole before anything runs, every section whatever the problem (merge only when the
+// calls byte asks for it), so the sections that check() needs may come last:
 //   problem    six sizes (batch, q_len, kv_len, q_heads, kv_heads, head_dim), each a field();
 //              1 byte causal; scale(); the strides of q, k, v, o (strides()); lse_strides()
 //   addresses  five fake addresses (q, k, v, o, lse) for check_call, never dereferenced
-//   memory     1 byte: which buffers share memory, or which output overlaps what
+//   memory     1 byte: which buffers share memory, or which output overlaps what; 1 byte more
+//              for the modes that place a pointer (call_pointers())
 //   values     1 byte mode, 1 byte exponent, 8 bytes seed
 //   calls      1 byte: which calls (and whether for every kernel); 1 byte: kernel; 1 byte:
 //              threads and workspace offset
-//   merge      1 byte count; the parts' o strides and lse strides; 1 byte flags
+//   merge      (calls bit 5 only) 1 byte count; the parts' o strides and lse strides; 1 byte
+//              flags; with flag bit 2, 1 byte: the null part
+//   sinks      Problem::sinks (read_sinks()): 1 byte mode (0: null), then sink_value()s
+//   lengths    Problem::q_lens and kv_lens: 1 byte, bit 0 q_lens, bit 1 kv_lens; for each
+//              given, 1 byte mode and its field()s (read_length_array())
+//   overlaps   1 byte: a fake o or lse moved into the sinks, q_lens or kv_lens array (then a
+//              field(): the offset in floats); 1 byte: one of those arrays placed inside the
+//              real o's or lse's buffer (then 1 byte: the offset) (read_extras())
+// The last three sections came last, so that every older seed (zeros there) has no sinks and no
+// per-sequence lengths. A sinks or length array is allocated at exactly its size (q_heads
+// floats, batch int64s) when that is at most kMaxArray elements, else left null.
 #include <mha/attention.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
@@ -30,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -218,6 +232,182 @@ Problem decode_problem(Bytes& in) {
   return p;
 }
 
+// A sinks array (q_heads floats) or a length array (batch int64s) is allocated, and so
+// given, only up to this many elements: check() reads every element of a non-null one.
+constexpr i64 kMaxArray = i64{1} << 16;
+
+// One sink logit. A selector byte below 0x80 is (s - 64) / 4, in [-16, 15.75] (below, about
+// and above typical logits); 0x80 to 0x9f name special values (infinities, NaNs, huge and
+// tiny values, the edges of expf); the others take the next 4 bytes as any bits.
+float sink_value(Bytes& in) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float max = std::numeric_limits<float>::max();
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const float kSpecial[32] = {
+      -inf,    inf,     nan,      -nan,      max,    -max,
+      1e30f,   -1e30f,  88.8f,    -88.8f,    104.0f, -104.0f,
+      -150.0f, 1e4f,    -1e4f,    tiny,      -tiny,  0.0f,
+      -0.0f,   0x1p64f, 0x1p100f, -0x1p100f, 1e-30f, std::numeric_limits<float>::min(),
+      128.0f,  -128.0f, 127.9f,   1e38f,     -1e38f, 60.0f,
+      -60.0f,  0.125f};
+  const std::uint8_t s = in.u8();
+  if (s < 0x80) return static_cast<float>(s - 64) / 4.0f;
+  if (s < 0xa0) return kSpecial[s & 0x1f];
+  const std::uint32_t bits = in.u32();
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Problem::sinks for `heads` query heads. Mode byte % 4: 0 none; 1 one sink_value() for every
+// head; 2 one per head; 3 one for every head, then head field() (when there is one) gets
+// another. Null, with nothing read past the mode byte, when heads is outside [1, kMaxArray].
+std::unique_ptr<float[]> read_sinks(Bytes& in, i64 heads) {
+  const int mode = in.u8() % 4;
+  if (mode == 0 || heads < 1 || heads > kMaxArray) return nullptr;
+  const auto n = static_cast<std::size_t>(heads);
+  std::unique_ptr<float[]> sinks(new float[n]);
+  if (mode == 2) {
+    for (std::size_t h = 0; h < n; ++h) sinks[h] = sink_value(in);
+    return sinks;
+  }
+  std::fill(sinks.get(), sinks.get() + n, sink_value(in));
+  if (mode == 3) {
+    const i64 h = field(in);
+    const float x = sink_value(in);
+    if (h >= 0 && h < heads) sinks[static_cast<std::size_t>(h)] = x;
+  }
+  return sinks;
+}
+
+// One length array of `batch` sequences whose tensors hold `most` rows (q_lens: q_len,
+// kv_lens: kv_len). Mode byte % 4: 0 each a field(); 1 each most - field() (0: the whole
+// length, negative: past it); 2 each `most`, then sequence field() (when there is one) gets
+// field(); 3 each (b * field() + field()) mod (most + 1): valid lengths for any batch (each a
+// field() when most < 0). Null, with nothing read past the mode byte, when batch is outside
+// [1, kMaxArray].
+std::unique_ptr<i64[]> read_length_array(Bytes& in, i64 batch, i64 most) {
+  const int mode = in.u8() % 4;
+  if (batch < 1 || batch > kMaxArray) return nullptr;
+  const auto n = static_cast<std::size_t>(batch);
+  std::unique_ptr<i64[]> lens(new i64[n]);
+  switch (mode) {
+    case 0:
+      for (std::size_t b = 0; b < n; ++b) lens[b] = field(in);
+      break;
+    case 1:
+      for (std::size_t b = 0; b < n; ++b) lens[b] = saturate(i128{most} - field(in));
+      break;
+    case 2: {
+      std::fill(lens.get(), lens.get() + n, most);
+      const i64 b = field(in);
+      const i64 x = field(in);
+      if (b >= 0 && b < batch) lens[static_cast<std::size_t>(b)] = x;
+      break;
+    }
+    default: {
+      const i128 step = field(in), start = field(in), m = i128{most} + 1;
+      for (std::size_t b = 0; b < n; ++b) {
+        const i128 x = static_cast<i128>(b) * step + start;
+        lens[b] = m > 0 ? static_cast<i64>((x % m + m) % m) : saturate(x);
+      }
+    }
+  }
+  return lens;
+}
+
+// The input's last sections (see the top): the sinks, the lengths, and where check_call
+// finds those arrays relative to the outputs.
+struct Extras {
+  std::unique_ptr<float[]> sinks;          // q_heads floats, or null
+  std::unique_ptr<i64[]> q_lens, kv_lens;  // batch each, or null
+  // Fake addresses: output 1 (o) or 2 (lse) moved to `fake_offset` floats from the start of
+  // array `fake_array` (0 sinks, 1 q_lens, 2 kv_lens), when that array is given; else none.
+  int fake_output = 0, fake_array = 0;
+  i64 fake_offset = 0;
+  // Real buffers: array `place_array` (1 sinks, 2 q_lens, 3 kv_lens; 0 none) copied inside
+  // the buffer of o (or of lse), `place_offset` floats in (rounded up to 8 bytes).
+  int place_array = 0;
+  bool place_in_lse = false;
+  std::uint8_t place_offset = 0;
+};
+
+Extras read_extras(Bytes& in, const Problem& p) {
+  Extras e;
+  e.sinks = read_sinks(in, p.q_heads);
+  const std::uint8_t which = in.u8();
+  if ((which & 1) != 0) e.q_lens = read_length_array(in, p.batch, p.q_len);
+  if ((which & 2) != 0) e.kv_lens = read_length_array(in, p.batch, p.kv_len);
+  const std::uint8_t fake = in.u8();
+  e.fake_output = fake & 3;
+  e.fake_array = ((fake >> 2) & 3) % 3;
+  if (e.fake_output == 1 || e.fake_output == 2) e.fake_offset = field(in);
+  const std::uint8_t place = in.u8();
+  e.place_array = place & 3;
+  e.place_in_lse = (place & 4) != 0;
+  if (e.place_array != 0) e.place_offset = in.u8();
+  return e;
+}
+
+// Sinks and lengths of q_heads and batch elements that check() admitted: each sink finite
+// or -inf, each length within [0, the tensors' length].
+void verify_admitted_arrays(const Problem& p) {
+  for (i64 h = 0; p.sinks != nullptr && h < p.q_heads; ++h) {
+    const float s = p.sinks[h];
+    if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
+      fail("check admitted sinks[" + std::to_string(h) + "] = " + std::to_string(s));
+    }
+  }
+  const struct {
+    const char* name;
+    const i64* lens;
+    i64 most;
+  } arrays[] = {{"q_lens", p.q_lens, p.q_len}, {"kv_lens", p.kv_lens, p.kv_len}};
+  for (const auto& a : arrays) {
+    for (i64 b = 0; a.lens != nullptr && b < p.batch; ++b) {
+      if (a.lens[b] < 0 || a.lens[b] > a.most) {
+        fail(std::string("check admitted ") + a.name + "[" + std::to_string(b) +
+             "] = " + std::to_string(a.lens[b]));
+      }
+    }
+  }
+}
+
+// check()'s verdict on p, modeled: check() itself on p without sinks and lengths for every
+// other rule, and the rules on those arrays, which come after every rule but those on lse's
+// strides: the first head whose sink is NaN or +inf, then the first sequence of q_lens, then
+// of kv_lens, whose length is outside [0, the tensors' length].
+std::string expected_check(const Problem& p) {
+  Problem plain = p;
+  plain.sinks = nullptr;
+  plain.q_lens = plain.kv_lens = nullptr;
+  std::string other = check(plain);
+  const auto starts = [&](const char* prefix) { return other.rfind(prefix, 0) == 0; };
+  if (!other.empty() && !starts("lse strides ") && !starts("highest offset of lse ")) return other;
+  for (i64 h = 0; p.sinks != nullptr && h < p.q_heads; ++h) {
+    const float s = p.sinks[h];
+    if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
+      return "sinks[" + std::to_string(h) + "] (" + std::to_string(s) + ") must be finite or -inf";
+    }
+  }
+  const struct {
+    const char* name;
+    const i64* lens;
+    i64 most;
+    const char* bound;
+  } arrays[] = {{"q_lens", p.q_lens, p.q_len, "q_len"}, {"kv_lens", p.kv_lens, p.kv_len, "kv_len"}};
+  for (const auto& a : arrays) {
+    for (i64 b = 0; a.lens != nullptr && b < p.batch; ++b) {
+      if (a.lens[b] < 0 || a.lens[b] > a.most) {
+        return std::string(a.name) + "[" + std::to_string(b) + "] (" + std::to_string(a.lens[b]) +
+               ") must be within [0, " + a.bound + " " + std::to_string(a.most) + "]";
+      }
+    }
+  }
+  return other;
+}
+
 // Highest element offset of a tensor in exact arithmetic (sizes >= 1, strides >= 0).
 i128 highest(const i64* extent, const i64* stride, int rank) {
   i128 sum = 0;
@@ -227,21 +417,28 @@ i128 highest(const i64* extent, const i64* stride, int rank) {
 }
 
 // Calls f(offset) for every element of a [batch][len][heads][dim] tensor, stopping when f
-// returns false.
-template <typename F>
-void for_each_offset(const Strides& s, i64 batch, i64 len, i64 heads, i64 dim, F&& f) {
+// returns false. `len` is a number of rows, or a function of the batch element giving its
+// rows (a ragged sequence's first rows only).
+inline i64 rows_in(i64 len, i64) { return len; }
+template <typename Len>
+auto rows_in(const Len& len, i64 b) -> decltype(len(b)) {
+  return len(b);
+}
+
+template <typename Len, typename F>
+void for_each_offset(const Strides& s, i64 batch, const Len& len, i64 heads, i64 dim, F&& f) {
   for (i64 b = 0; b < batch; ++b)
-    for (i64 l = 0; l < len; ++l)
+    for (i64 l = 0; l < rows_in(len, b); ++l)
       for (i64 h = 0; h < heads; ++h)
         for (i64 d = 0; d < dim; ++d)
           if (!f(b * s.batch + l * s.seq + h * s.head + d)) return;
 }
 
-template <typename F>
-void for_each_lse_offset(const LseStrides& s, i64 batch, i64 heads, i64 len, F&& f) {
+template <typename Len, typename F>
+void for_each_lse_offset(const LseStrides& s, i64 batch, i64 heads, const Len& len, F&& f) {
   for (i64 b = 0; b < batch; ++b)
     for (i64 h = 0; h < heads; ++h)
-      for (i64 i = 0; i < len; ++i)
+      for (i64 i = 0; i < rows_in(len, b); ++i)
         if (!f(b * s.batch + h * s.head + i)) return;
 }
 
@@ -292,23 +489,32 @@ void verify_admitted(const Problem& p) {
            [&](auto&& f) { for_each_offset(p.o, p.batch, p.q_len, p.q_heads, head_dim, f); });
   distinct("lse", lse_extent(p), rows,
            [&](auto&& f) { for_each_lse_offset(p.lse, p.batch, p.q_heads, p.q_len, f); });
+  verify_admitted_arrays(p);
 }
 
-// check_call's verdict for these pointers (q, k, v, o, lse), from exact address ranges.
+// check_call's verdict for these pointers (q, k, v, o, lse), from exact address ranges. The
+// inputs are q, k and v, then the problem's sinks (q_heads floats), q_lens and kv_lens (batch
+// int64s each) when given; each output, o first, is checked against each input in turn.
 std::string expected_verdict(const Problem& p, const float* const* ptr) {
-  std::string message = check(p);
+  std::string message = expected_check(p);
   if (!message.empty()) return message;
-  const char* names[5] = {"q", "k", "v", "o", "lse"};
+  const char* names[8] = {"q", "k", "v", "o", "lse", "sinks", "q_lens", "kv_lens"};
   for (int t = 0; t < 4; ++t) {
     if (ptr[t] == nullptr) return std::string(names[t]) + " must not be null";
   }
-  const i64 extents[5] = {q_extent(p), k_extent(p), v_extent(p), o_extent(p), lse_extent(p)};
-  const auto begin = [&](int t) { return i128{reinterpret_cast<std::uintptr_t>(ptr[t])}; };
-  const auto end = [&](int t) { return begin(t) + i128{extents[t]} * 4; };
-  const auto overlap = [&](int a, int b) { return begin(a) < end(b) && begin(b) < end(a); };
+  const void* base[8] = {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], p.sinks, p.q_lens, p.kv_lens};
+  const i128 bytes[8] = {i128{q_extent(p)} * 4, i128{k_extent(p)} * 4,   i128{v_extent(p)} * 4,
+                         i128{o_extent(p)} * 4, i128{lse_extent(p)} * 4, i128{p.q_heads} * 4,
+                         i128{p.batch} * 8,     i128{p.batch} * 8};
+  const auto begin = [&](int t) { return i128{reinterpret_cast<std::uintptr_t>(base[t])}; };
+  const auto end = [&](int t) { return begin(t) + bytes[t]; };
+  const auto overlap = [&](int a, int b) {
+    return base[a] != nullptr && base[b] != nullptr && begin(a) < end(b) && begin(b) < end(a);
+  };
   const int outputs = ptr[4] != nullptr ? 5 : 4;
+  const int inputs[6] = {0, 1, 2, 5, 6, 7};
   for (int out = 3; out < outputs; ++out) {
-    for (int in = 0; in < 3; ++in) {
+    for (int in : inputs) {
       if (overlap(out, in)) {
         return std::string(names[out]) + " overlaps " + names[in] +
                ": outputs must not share memory with inputs";
@@ -319,12 +525,15 @@ std::string expected_verdict(const Problem& p, const float* const* ptr) {
   return std::string();
 }
 
-// check_call on addresses that are never dereferenced: each tensor in a region of its own
-// (4 TiB apart), at an offset from another tensor, or null. A rejected call must be rejected
-// by mha::attention too, before it reads anything (a read would fault), and an invalid
-// problem by mha::merge.
-void fake_addresses(Bytes& in, const Problem& p) {
-  std::uintptr_t addr[5] = {};
+// An address a process can have (x86-64 and AArch64 user space: below 2^47), or `fallback`.
+std::uintptr_t plausible(i128 a, std::uintptr_t fallback) {
+  return a >= 4096 && a < (i128{1} << 47) ? static_cast<std::uintptr_t>(a) : fallback;
+}
+
+// Fake addresses for check_call (q, k, v, o, lse), never dereferenced: each tensor in a
+// region of its own (4 TiB apart), at an offset from another tensor, or null.
+std::array<std::uintptr_t, 5> read_fake_addresses(Bytes& in) {
+  std::array<std::uintptr_t, 5> addr = {};
   const auto region = [](int t) { return static_cast<std::uintptr_t>(t + 1) << 42; };
   for (int t = 0; t < 5; ++t) {
     switch (in.u8() % 4) {
@@ -337,15 +546,27 @@ void fake_addresses(Bytes& in, const Problem& p) {
       case 2: {
         const int other = in.u8() % 5;
         const std::uintptr_t base = addr[other] != 0 ? addr[other] : region(other);
-        const i128 a = i128{base} + i128{field(in)} * 4;
-        // Addresses a process can have (x86-64 and AArch64 user space: below 2^47).
-        addr[t] = a >= 4096 && a < (i128{1} << 47) ? static_cast<std::uintptr_t>(a) : region(t);
+        addr[t] = plausible(i128{base} + i128{field(in)} * 4, region(t));
         break;
       }
       default:
         addr[t] = region(t) + 4 * std::uintptr_t{in.u8()};
         break;
     }
+  }
+  return addr;
+}
+
+// check_call on the fake addresses, with o or lse moved into p's sinks, q_lens or kv_lens
+// array as the extras say (those arrays are real). A rejected call must be rejected by
+// mha::attention too, before it reads anything (a read would fault), and an invalid problem
+// by mha::merge.
+void fake_addresses(std::array<std::uintptr_t, 5> addr, const Extras& extras, const Problem& p) {
+  const void* arrays[3] = {p.sinks, p.q_lens, p.kv_lens};
+  const void* array = arrays[extras.fake_array];
+  if ((extras.fake_output == 1 || extras.fake_output == 2) && array != nullptr) {
+    std::uintptr_t& a = extras.fake_output == 1 ? addr[3] : addr[4];
+    a = plausible(i128{reinterpret_cast<std::uintptr_t>(array)} + i128{extras.fake_offset} * 4, a);
   }
   const float* ptr[5];
   for (int t = 0; t < 5; ++t) ptr[t] = reinterpret_cast<const float*>(addr[t]);
@@ -369,6 +590,12 @@ void fake_addresses(Bytes& in, const Problem& p) {
   parts.lse_strides = p.lse;
   expect_rejected([&] { merge(p, parts, o, lse); }, "mha::merge: " + problem,
                   "mha::merge of an invalid problem");
+}
+
+std::uint32_t bits_of(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
 }
 
 // A buffer of exactly `size` floats (AddressSanitizer's redzone starts right after it).
@@ -483,14 +710,15 @@ bool inputs_modeled(const Inputs& c) {
 
 // o and lse (lse may be null) against the reference, as property_tests/compare.cpp compares:
 // finite values within the row's bound, non-finite values exactly where the reference has
-// them, exact zeros and -inf for rows that see no key.
+// them, exact zeros and lse = the head's sink (-inf without) for rows that see no key. Rows
+// past a ragged sequence's length are no outputs (the caller checks they were not written).
 void compare(const Problem& p, const float* o, const float* lse, const ref::Result& want,
              const ref::Tolerance& tol, bool modeled, const std::string& what) {
-  const double neg_inf = -std::numeric_limits<double>::infinity();
   for (i64 b = 0; b < p.batch; ++b) {
     for (i64 h = 0; h < p.q_heads; ++h) {
-      for (i64 i = 0; i < p.q_len; ++i) {
-        const bool masked = visible_keys(p, i) == 0;
+      const double empty_lse = sink_of(p, h);
+      for (i64 i = 0; i < ref::rows_of(p, b); ++i) {
+        const bool masked = ref::keys_seen(p, b, i) == 0;
         const std::size_t r = tol.row(b, h, i);
         const bool check_o = modeled && row_modeled(tol.v_max[r]);
         const auto where = [&](const char* name, i64 d) {
@@ -511,8 +739,9 @@ void compare(const Problem& p, const float* o, const float* lse, const ref::Resu
         const double got = lse[b * p.lse.batch + h * p.lse.head + i];
         const double w = want.lse_at(b, h, i);
         if (masked) {
-          expect(got == neg_inf && w == neg_inf,
-                 where("lse", -1) + " of a row that sees no key is not -inf");
+          expect(got == empty_lse && w == empty_lse,
+                 where("lse", -1) + " = " + std::to_string(got) +
+                     " of a row that sees no key is not its sink " + std::to_string(empty_lse));
         } else if (modeled && !(std::isinf(w) ? got == w : close(got, w, tol.lse[r]))) {
           fail(where("lse", -1) + " = " + std::to_string(got) + ", expected " + std::to_string(w) +
                " within " + std::to_string(tol.lse[r]));
@@ -522,8 +751,11 @@ void compare(const Problem& p, const float* o, const float* lse, const ref::Resu
   }
 }
 
-// Which floats of a buffer are elements of a tensor (the rest is padding).
-std::vector<bool> element_mask(i64 size, const Strides& s, i64 batch, i64 len, i64 heads, i64 dim) {
+// Which floats of a buffer are elements of a tensor (the rest is padding). `len` as
+// for_each_offset takes it.
+template <typename Len>
+std::vector<bool> element_mask(i64 size, const Strides& s, i64 batch, const Len& len, i64 heads,
+                               i64 dim) {
   std::vector<bool> mask(static_cast<std::size_t>(size));
   for_each_offset(s, batch, len, heads, dim, [&](i64 off) {
     mask[static_cast<std::size_t>(off)] = true;
@@ -532,20 +764,36 @@ std::vector<bool> element_mask(i64 size, const Strides& s, i64 batch, i64 len, i
   return mask;
 }
 
+// The elements of o that a call on p writes: the rows of each sequence (ref::rows_of).
+std::vector<bool> o_mask(const Problem& p) {
+  return element_mask(
+      o_extent(p), p.o, p.batch, [&](i64 b) { return ref::rows_of(p, b); }, p.q_heads, p.head_dim);
+}
+
+// The same for lse.
 std::vector<bool> lse_mask(const Problem& p) {
   std::vector<bool> mask(static_cast<std::size_t>(lse_extent(p)));
-  for_each_lse_offset(p.lse, p.batch, p.q_heads, p.q_len, [&](i64 off) {
-    mask[static_cast<std::size_t>(off)] = true;
-    return true;
-  });
+  for_each_lse_offset(
+      p.lse, p.batch, p.q_heads, [&](i64 b) { return ref::rows_of(p, b); },
+      [&](i64 off) {
+        mask[static_cast<std::size_t>(off)] = true;
+        return true;
+      });
   return mask;
 }
 
+// Every float of `b` outside `mask` (padding, and rows past a sequence's length) still holds
+// what `before` had (the NaN pattern when null).
 void expect_padding_untouched(const Buffer& b, const std::vector<bool>& mask,
-                              const std::string& what) {
+                              const std::string& what, const std::vector<float>* before = nullptr) {
   for (i64 i = 0; i < b.size; ++i) {
-    if (!mask[static_cast<std::size_t>(i)] && !b.is_pattern(i)) {
-      fail(what + " wrote float " + std::to_string(i) + " of its buffer, which is no element");
+    if (mask[static_cast<std::size_t>(i)]) continue;
+    const bool same = before != nullptr ? bits_of(b.data[static_cast<std::size_t>(i)]) ==
+                                              bits_of((*before)[static_cast<std::size_t>(i)])
+                                        : b.is_pattern(i);
+    if (!same) {
+      fail(what + " wrote float " + std::to_string(i) +
+           " of its buffer, which is no element it writes");
     }
   }
 }
@@ -587,6 +835,23 @@ Parts read_parts_layout(Bytes& in, const Problem& p) {
   parts.o_strides = strides(in, p.q_len, p.q_heads, p.head_dim);
   parts.lse_strides = lse_strides(in, p.batch, p.q_heads, p.q_len);
   return parts;
+}
+
+// merge_parts' section of the input: the parts' layout, the flags (bit 0: o into part 0; 1:
+// no lse; 2: a null part, bit 4: its o, else its lse; 3: a null parts.o) and, with flag bit
+// 2, the null part's byte.
+struct MergeBytes {
+  Parts layout;
+  std::uint8_t flags = 0;
+  std::uint8_t null_part = 0;
+};
+
+MergeBytes read_merge_bytes(Bytes& in, const Problem& p) {
+  MergeBytes m;
+  m.layout = read_parts_layout(in, p);
+  m.flags = in.u8();
+  if ((m.flags & 4) != 0) m.null_part = in.u8();
+  return m;
 }
 
 // The parts' strides must be >= 0 with highest offsets that fit int64_t bytes, as check()
@@ -643,11 +908,11 @@ struct PartBuffers {
 };
 
 // Parts whose elements take the next values (o from next(), lse from next_lse()); their
-// padding keeps the NaN pattern. `shape` is p with the parts' strides.
-PartBuffers make_parts(const Problem& p, const Problem& shape, const Parts& parts, Values& values) {
+// padding, and the rows past a sequence's length (which merge does not read), keep the NaN
+// pattern. `shape` is p with the parts' strides.
+PartBuffers make_parts(const Problem& shape, const Parts& parts, Values& values) {
   const i64 part_o_extent = o_extent(shape), part_lse_extent = lse_extent(shape);
-  const std::vector<bool> o_elements =
-      element_mask(part_o_extent, parts.o_strides, p.batch, p.q_len, p.q_heads, p.head_dim);
+  const std::vector<bool> o_elements = o_mask(shape);
   const std::vector<bool> lse_elements = lse_mask(shape);
   PartBuffers out;
   for (int c = 0; c < parts.count; ++c) {
@@ -678,32 +943,39 @@ void expect_merge_rejects_null_part(const Problem& p, const Parts& parts, int nu
 }
 
 // What merge must give, row by row (r = (b H + h) Lq + i): o (head_dim values a row) and lse,
-// their bounds, and whether the row's o is within the tolerance model.
+// their bounds, whether the row's o is within the tolerance model, and whether no part saw a
+// key (then o is exactly 0 and lse exactly the head's sink, -inf without).
 struct MergeWant {
   std::vector<double> o, lse, tol_o, tol_lse;
-  std::vector<char> check_o;
+  std::vector<char> check_o, empty;
 };
 
-// Row r of `want`, from the parts' lse at lse_off and their o rows at o_off.
-void want_merged_row(const Problem& p, const PartBuffers& bufs, int count, i64 lse_off, i64 o_off,
-                     i64 r, MergeWant* want) {
+// Row r of `want` for head h, from the parts' lse at lse_off and their o rows at o_off. With a
+// sink (p.sinks), the sink is one more part, of o = 0 and lse = sinks[h], counted once.
+void want_merged_row(const Problem& p, const PartBuffers& bufs, int count, i64 h, i64 lse_off,
+                     i64 o_off, i64 r, MergeWant* want) {
   const std::vector<const float*>& po = bufs.po;
   const std::vector<const float*>& pl = bufs.pl;
   const double u = 0x1p-24, inf = std::numeric_limits<double>::infinity();
-  double m = -inf;
-  bool nan = false;
+  const double sink = sink_of(p, h);
+  const bool has_sink = sink != -inf;
+  double m = sink;
+  bool nan = false, empty = true;
   for (int c = 0; c < count; ++c) {
     const double l = pl[static_cast<std::size_t>(c)][lse_off];
     nan |= std::isnan(l);
+    empty &= l == -inf;
     m = std::max(m, l);
   }
   double* o_row = &want->o[static_cast<std::size_t>(r * p.head_dim)];
-  if (nan || m == -inf) {
+  if (nan || empty) {
     std::fill(o_row, o_row + p.head_dim, nan ? std::nan("") : 0.0);
-    want->lse[static_cast<std::size_t>(r)] = nan ? std::nan("") : -inf;
+    want->lse[static_cast<std::size_t>(r)] = nan ? std::nan("") : sink;
+    want->empty[static_cast<std::size_t>(r)] = !nan;
     return;
   }
-  double sum = 0, x_max = 0, o_max = 0;
+  double sum = has_sink ? std::exp(sink - m) : 0.0, x_max = has_sink ? std::fabs(sink - m) : 0.0;
+  double o_max = 0;
   for (int c = 0; c < count; ++c) {
     const double l = pl[static_cast<std::size_t>(c)][lse_off];
     sum += std::exp(l - m);
@@ -725,32 +997,36 @@ void want_merged_row(const Problem& p, const PartBuffers& bufs, int count, i64 l
     o_row[d] = acc;
   }
   want->lse[static_cast<std::size_t>(r)] = m + std::log(sum);
+  // The sink is one more term of the sum (its o, 0, adds nothing to the values).
+  const double terms = count + (has_sink ? 1 : 0);
   const double eta = std::exp(u * x_max) * (1.0 + 2.0 * u) - 1.0;
   want->tol_o[static_cast<std::size_t>(r)] =
-      (ref::weight_shift(eta) + ref::accumulation_factor(count)) * o_max;
+      (ref::weight_shift(eta) + ref::accumulation_factor(terms)) * o_max;
   want->tol_lse[static_cast<std::size_t>(r)] =
-      std::log1p(eta) - std::log1p(-ref::gamma(count)) +
-      5.0 * 2.0 * u * (std::fabs(m) + std::log(static_cast<double>(count)) + 1.0);
+      std::log1p(eta) - std::log1p(-ref::gamma(terms)) +
+      5.0 * 2.0 * u * (std::fabs(m) + std::log(terms) + 1.0);
   want->check_o[static_cast<std::size_t>(r)] = o_max <= kModelLimit && row_modeled(o_max);
 }
 
-// The expected rows, from the parts before the call (o may be merged into part 0).
+// The expected rows, from the parts before the call (o may be merged into part 0): those of
+// each sequence (q_lens), the others are not written.
 MergeWant merge_want(const Problem& p, const Parts& parts, const PartBuffers& bufs) {
-  const i64 rows = p.batch * p.q_heads * p.q_len;
+  const auto rows = static_cast<std::size_t>(p.batch * p.q_heads * p.q_len);
   MergeWant want;
-  want.o.resize(static_cast<std::size_t>(rows * p.head_dim));
-  want.lse.resize(static_cast<std::size_t>(rows));
-  want.tol_o.resize(static_cast<std::size_t>(rows));
-  want.tol_lse.resize(static_cast<std::size_t>(rows));
-  want.check_o.resize(static_cast<std::size_t>(rows));
+  want.o.resize(rows * static_cast<std::size_t>(p.head_dim));
+  want.lse.resize(rows);
+  want.tol_o.resize(rows);
+  want.tol_lse.resize(rows);
+  want.check_o.resize(rows);
+  want.empty.resize(rows);
   for (i64 b = 0; b < p.batch; ++b) {
     for (i64 h = 0; h < p.q_heads; ++h) {
-      for (i64 i = 0; i < p.q_len; ++i) {
+      for (i64 i = 0; i < ref::rows_of(p, b); ++i) {
         const i64 r = (b * p.q_heads + h) * p.q_len + i;
         const i64 lse_off = b * parts.lse_strides.batch + h * parts.lse_strides.head + i;
         const i64 o_off =
             b * parts.o_strides.batch + i * parts.o_strides.seq + h * parts.o_strides.head;
-        want_merged_row(p, bufs, parts.count, lse_off, o_off, r, &want);
+        want_merged_row(p, bufs, parts.count, h, lse_off, o_off, r, &want);
       }
     }
   }
@@ -758,23 +1034,23 @@ MergeWant merge_want(const Problem& p, const Parts& parts, const PartBuffers& bu
 }
 
 // Every row of merge's o and lse (lse may be null) against `want`: o of a row no part saw is
-// 0 and its lse -inf; other rows within their bounds, o where the model holds.
+// 0 and its lse the head's sink (-inf without); other rows within their bounds, o where the
+// model holds.
 void compare_merged(const Problem& p, const float* o, const float* lse, const MergeWant& want,
                     int count) {
-  const double inf = std::numeric_limits<double>::infinity();
   for (i64 b = 0; b < p.batch; ++b) {
     for (i64 h = 0; h < p.q_heads; ++h) {
-      for (i64 i = 0; i < p.q_len; ++i) {
+      for (i64 i = 0; i < ref::rows_of(p, b); ++i) {
         const std::size_t r = static_cast<std::size_t>((b * p.q_heads + h) * p.q_len + i);
         const std::string where = "mha::merge of " + std::to_string(count) +
                                   " parts, row [b=" + std::to_string(b) +
                                   "][h=" + std::to_string(h) + "][i=" + std::to_string(i) + "]";
-        const bool masked = want.lse[r] == -inf;
+        const bool empty = want.empty[r] != 0;
         for (i64 d = 0; d < p.head_dim; ++d) {
           const double got = o[b * p.o.batch + i * p.o.seq + h * p.o.head + d];
           const double w =
               want.o[r * static_cast<std::size_t>(p.head_dim) + static_cast<std::size_t>(d)];
-          if (masked) {
+          if (empty) {
             expect(got == 0.0, where + ": o of a row no part saw is not 0");
           } else if (std::isnan(w) || want.check_o[r]) {
             expect(close(got, w, want.tol_o[r]), where + ": o[" + std::to_string(d) +
@@ -785,12 +1061,14 @@ void compare_merged(const Problem& p, const float* o, const float* lse, const Me
         }
         if (lse == nullptr) continue;
         const double got = lse[b * p.lse.batch + h * p.lse.head + i];
-        const bool ok = masked
-                            ? got == -inf
+        const bool ok = empty
+                            ? got == want.lse[r]
                             : (std::isinf(want.lse[r]) ? got == want.lse[r]
                                                        : close(got, want.lse[r], want.tol_lse[r]));
         expect(ok, where + ": lse = " + std::to_string(got) + ", expected " +
-                       std::to_string(want.lse[r]) + " within " + std::to_string(want.tol_lse[r]));
+                       std::to_string(want.lse[r]) +
+                       (empty ? " exactly (no part saw a key)"
+                              : " within " + std::to_string(want.tol_lse[r])));
       }
     }
   }
@@ -798,20 +1076,23 @@ void compare_merged(const Problem& p, const float* o, const float* lse, const Me
 
 // merge of the parts into o in a buffer of its own or, with flag bit 0 when the strides agree,
 // in place into part 0; into lse unless flag bit 1 says none. The parts' lse and the padding
-// of o and lse must stay untouched, and every row must match `want`.
+// of o and lse (and, in place, part 0's floats that are no row merge writes) must stay
+// untouched, and every row must match `want`.
 void merge_and_compare(const Problem& p, const Parts& parts, const PartBuffers& bufs,
                        std::uint8_t flags, const MergeWant& want) {
   const int count = parts.count;
   const bool in_place = (flags & 1) != 0 && parts.o_strides.batch == p.o.batch &&
                         parts.o_strides.seq == p.o.seq && parts.o_strides.head == p.o.head;
   std::unique_ptr<Buffer> own_o;
-  float* o = nullptr;
+  const Buffer* o_buf = nullptr;
   if (in_place) {
-    o = bufs.o[0].data.get();
+    o_buf = &bufs.o[0];
   } else {
     own_o = std::make_unique<Buffer>(o_extent(p));
-    o = own_o->data.get();
+    o_buf = own_o.get();
   }
+  float* o = o_buf->data.get();
+  const std::vector<float> o_before = o_buf->snapshot();
   std::unique_ptr<Buffer> lse;
   if ((flags & 2) == 0) lse = std::make_unique<Buffer>(lse_extent(p));
   std::vector<std::vector<float>> before;
@@ -823,9 +1104,8 @@ void merge_and_compare(const Problem& p, const Parts& parts, const PartBuffers& 
     expect(bufs.lse[static_cast<std::size_t>(c)].same_as(before[static_cast<std::size_t>(c)]),
            "mha::merge wrote a part's lse");
   }
-  const std::vector<bool> out_elements =
-      element_mask(o_extent(p), p.o, p.batch, p.q_len, p.q_heads, p.head_dim);
-  if (own_o) expect_padding_untouched(*own_o, out_elements, "mha::merge");
+  expect_padding_untouched(*o_buf, o_mask(p), in_place ? "mha::merge in place" : "mha::merge",
+                           &o_before);
   if (lse) expect_padding_untouched(*lse, lse_mask(p), "mha::merge (lse)");
   compare_merged(p, o, lse ? lse->data.get() : nullptr, want, count);
 }
@@ -836,12 +1116,11 @@ void merge_and_compare(const Problem& p, const Parts& parts, const PartBuffers& 
 // weight is within eta = exp(u max|x_c|)(1 + 2^-23) - 1; the normalized weights then move by
 // weight_shift(eta), the normalization, products and sums add accumulation_factor(count)
 // (both times the largest |o_c|), and lse is off by log(1 + eta) - log(1 - gamma(count))
-// plus five roundings of values up to |m| + log(count) + 1.
-void merge_parts(Bytes& in, const Problem& p, Values& values) {
-  Parts parts = read_parts_layout(in, p);
-  // Bit 0: o into part 0; 1: no lse; 2: a null part (bit 4: its o, else its lse); 3: a null
-  // parts.o.
-  const std::uint8_t flags = in.u8();
+// plus five roundings of values up to |m| + log(count) + 1. A sink counts as one more part
+// (of o = 0) in all of these.
+void merge_parts(const MergeBytes& bytes, const Problem& p, Values& values) {
+  Parts parts = bytes.layout;
+  const std::uint8_t flags = bytes.flags;
   Problem shape = p;  // the parts' layout: sized as o and lse are
   shape.o = parts.o_strides;
   shape.lse = parts.lse_strides;
@@ -858,11 +1137,11 @@ void merge_parts(Bytes& in, const Problem& p, Values& values) {
       kMaxFloats) {
     return;
   }
-  PartBuffers bufs = make_parts(p, shape, parts, values);
+  PartBuffers bufs = make_parts(shape, parts, values);
   parts.o = bufs.po.data();
   parts.lse = bufs.pl.data();
   if ((flags & 4) != 0) {
-    const int null_part = in.u8() % parts.count;
+    const int null_part = bytes.null_part % parts.count;
     expect_merge_rejects_null_part(p, parts, null_part, (flags & 16) != 0, &bufs);
     return;
   }
@@ -925,17 +1204,24 @@ struct OutputBuffers {
   float* lse;
 };
 
+// Whether the memory byte's mode takes the pointer byte (call_pointers()).
+bool takes_pointer_byte(std::uint8_t memory) {
+  const int mode = (memory >> 2) & 7;
+  return mode == 4 || mode == 5 || mode == 7 || (mode == 6 && (memory & 0x20) == 0);
+}
+
 // The pointers the calls pass (q, k, v, o, lse), as bits 2-4 of the memory byte say: o inside
-// q's or v's buffer, lse inside o's, or one of q, k, v and o null. Moves out->o and out->lse
-// to match.
-std::array<const float*, 5> call_pointers(Bytes& in, std::uint8_t memory, const Problem& p,
-                                          const InputBuffers& inputs, OutputBuffers* out) {
+// q's or v's buffer, lse inside o's (at `pointer` floats modulo the buffer's size), or one of
+// q, k, v and o null (pointer % 4). Moves out->o and out->lse to match.
+std::array<const float*, 5> call_pointers(std::uint8_t memory, std::uint8_t pointer,
+                                          const Problem& p, const InputBuffers& inputs,
+                                          OutputBuffers* out) {
   const i64 q_ext = q_extent(p), k_ext = k_extent(p), v_ext = v_extent(p), o_ext = o_extent(p);
   const float* q = inputs.q;
   const float* k = inputs.k;
   const float* v = inputs.v;
   const auto inside = [&](const float* base, i64 size) {
-    return const_cast<float*>(base) + in.u8() % size;
+    return const_cast<float*>(base) + pointer % size;
   };
   const float* call_in[3] = {q, k, v};  // what the calls pass: one may be null
   switch ((memory >> 2) & 7) {
@@ -949,7 +1235,7 @@ std::array<const float*, 5> call_pointers(Bytes& in, std::uint8_t memory, const 
       if (out->lse != nullptr) out->lse = inside(out->o, o_ext);
       break;
     case 7: {
-      const int which = in.u8() % 4;
+      const int which = pointer % 4;
       if (which == 3) {
         out->o = nullptr;
       } else {
@@ -963,16 +1249,21 @@ std::array<const float*, 5> call_pointers(Bytes& in, std::uint8_t memory, const 
   return {call_in[0], call_in[1], call_in[2], out->o, out->lse};
 }
 
-// Values for the elements of each input; the padding keeps the NaN pattern. Then a copy of
+// Values for the elements of each input; the padding keeps the NaN pattern, and so do the rows
+// past a ragged sequence's lengths (a kernel that reads them carries NaN into its output),
+// unless they are also rows of another sequence (broadcast, shared buffers). Then a copy of
 // every input buffer, which no call may change.
 void fill_inputs(const Problem& p, Values& values, InputBuffers* inputs) {
+  const std::function<i64(i64)> q_rows = [&](i64 b) { return q_len_of(p, b); };
+  const std::function<i64(i64)> kv_rows = [&](i64 b) { return kv_len_of(p, b); };
   const struct {
     const float* t;
     const Strides& s;
-    i64 len, heads;
-  } tensors[] = {{inputs->q, p.q, p.q_len, p.q_heads},
-                 {inputs->k, p.k, p.kv_len, p.kv_heads},
-                 {inputs->v, p.v, p.kv_len, p.kv_heads}};
+    const std::function<i64(i64)>& len;
+    i64 heads;
+  } tensors[] = {{inputs->q, p.q, q_rows, p.q_heads},
+                 {inputs->k, p.k, kv_rows, p.kv_heads},
+                 {inputs->v, p.v, kv_rows, p.kv_heads}};
   for (const auto& t : tensors) {
     float* data = const_cast<float*>(t.t);
     for_each_offset(t.s, p.batch, t.len, t.heads, p.head_dim, [&](i64 off) {
@@ -1012,6 +1303,8 @@ void expect_calls_rejected(const Problem& p, const std::string& verdict,
   const int threads = choice.threads;
   float* o = out.o;
   float* lse = out.lse;
+  // The output buffers as they were (a sinks or length array may sit inside one).
+  const std::vector<float> o_before = out.o_buf.snapshot(), lse_before = out.lse_buf.snapshot();
   const std::string message = "mha::attention: " + verdict;
   expect_rejected([&] { attention(p, ptr[0], ptr[1], ptr[2], o, lse, threads); }, message,
                   "mha::attention");
@@ -1020,10 +1313,20 @@ void expect_calls_rejected(const Problem& p, const std::string& verdict,
                     message, std::string("mha::attention(\"") + named.name + "\")");
   }
   inputs.expect_unchanged("a rejected call");
-  if (o == out.o_buf.data.get()) {
-    const i64 o_ext = o_extent(p);
-    for (i64 i = 0; i < o_ext; ++i) expect(out.o_buf.is_pattern(i), "a rejected call wrote o");
+  expect(out.o_buf.same_as(o_before), "a rejected call wrote into o's buffer");
+  expect(out.lse_buf.same_as(lse_before), "a rejected call wrote into lse's buffer");
+}
+
+// The most KV chunks the driver cuts a row's keys into: plan()'s for each sequence (as
+// mha::sequence describes it; those without a query or a key run no kernel).
+i64 most_chunks(const Problem& p) {
+  if (!ragged(p)) return plan(p).chunks;
+  i64 chunks = 1;
+  for (i64 b = 0; b < p.batch; ++b) {
+    const Problem s = sequence(p, b);
+    if (s.q_len > 0 && s.kv_len > 0) chunks = std::max(chunks, plan(s).chunks);
   }
+  return chunks;
 }
 
 // Runs accepted calls on one problem's buffers and checks each: accepted, inputs and padding
@@ -1036,8 +1339,9 @@ class CallCheck {
         inputs_(inputs),
         out_(*out),
         oracle_(Inputs{p, inputs.q, inputs.k, inputs.v}),
-        o_elements_(element_mask(o_extent(p), p.o, p.batch, p.q_len, p.q_heads, p.head_dim)),
-        lse_elements_(lse_mask(p)) {}
+        o_elements_(o_mask(p)),
+        lse_elements_(lse_mask(p)),
+        chunks_(most_chunks(p)) {}
 
   // `call`, named `what`, by an implementation whose exp errs by at most `exp_ulp`, through
   // the parallel driver when `driver` (which may split the KV range into chunks).
@@ -1049,10 +1353,11 @@ class CallCheck {
     inputs_.expect_unchanged(what);
     expect_padding_untouched(out_.o_buf, o_elements_, what);
     if (out_.lse != nullptr) expect_padding_untouched(out_.lse_buf, lse_elements_, what);
-    const i64 chunks = driver ? plan(p_).chunks : 1;
+    const i64 chunks = driver ? chunks_ : 1;
     const ref::Tolerance& whole = oracle_.tolerance(exp_ulp);
-    const ref::Tolerance tol =
-        chunks > 1 ? ref::merged_tolerance(whole, static_cast<double>(chunks)) : whole;
+    // A split unit's merge counts the sink as one more part.
+    const double parts = static_cast<double>(chunks + (p_.sinks != nullptr ? 1 : 0));
+    const ref::Tolerance tol = chunks > 1 ? ref::merged_tolerance(whole, parts) : whole;
     compare(p_, out_.o, out_.lse, oracle_.result(), tol, oracle_.modeled(),
             what + " (" + std::to_string(chunks) + " KV chunks)");
   }
@@ -1063,6 +1368,7 @@ class CallCheck {
   OutputBuffers& out_;
   Oracle oracle_;
   std::vector<bool> o_elements_, lse_elements_;
+  i64 chunks_;  // KV chunks of the driver's calls
 };
 
 // One kernel's calls: by name, through the driver and alone (bits 1-3 of the calls byte), the
@@ -1140,22 +1446,69 @@ void run_accepted_calls(const Problem& p, const CallChoice& choice, const InputB
   }
 }
 
-// The calls on real buffers, for a problem check() admitted whose buffers are small.
-void run_calls(Bytes& in, const Problem& p) {
+// run_calls' sections of the input (memory, values, calls, merge), read whatever the problem
+// so that the sections after them are always in the same place.
+struct RunBytes {
+  std::uint8_t memory;
+  std::uint8_t pointer;  // call_pointers' byte, when the memory byte's mode takes one
+  Values values;
+  CallChoice choice;
+  MergeBytes merge;  // when choice.calls asks for mha::merge
+};
+
+RunBytes read_run_bytes(Bytes& in, const Problem& p) {
   const std::uint8_t memory = in.u8();
+  const std::uint8_t pointer = takes_pointer_byte(memory) ? in.u8() : 0;
+  const Values values(in);
+  const CallChoice choice = read_calls(in);
+  MergeBytes merge;
+  if ((choice.calls & 32) != 0) merge = read_merge_bytes(in, p);
+  return {memory, pointer, values, choice, merge};
+}
+
+// The problem the calls pass: p, or p with one of its arrays (extras.place_array) copied
+// inside the buffer of o (or of lse) where that output goes, extras.place_offset floats in
+// rounded up to 8 bytes (at the start when it does not fit there; not at all when it does not
+// fit the buffer or the output goes elsewhere). check_call must then reject the call.
+Problem place_array(const Problem& p, const Extras& extras, OutputBuffers* out) {
+  Problem placed = p;
+  if (extras.place_array == 0) return placed;
+  Buffer& buf = extras.place_in_lse ? out->lse_buf : out->o_buf;
+  if ((extras.place_in_lse ? out->lse : out->o) != buf.data.get()) return placed;
+  const void* arrays[3] = {p.sinks, p.q_lens, p.kv_lens};
+  const void* array = arrays[extras.place_array - 1];
+  const i64 bytes = extras.place_array == 1 ? p.q_heads * 4 : p.batch * 8;
+  if (array == nullptr || bytes > buf.size * 4) return placed;
+  i64 offset = (i64{extras.place_offset} + 1) / 2 * 2;
+  if (offset * 4 + bytes > buf.size * 4) offset = 0;
+  float* at = buf.data.get() + offset;
+  std::memcpy(at, array, static_cast<std::size_t>(bytes));
+  if (extras.place_array == 1) placed.sinks = at;
+  if (extras.place_array == 2) placed.q_lens = reinterpret_cast<const i64*>(at);
+  if (extras.place_array == 3) placed.kv_lens = reinterpret_cast<const i64*>(at);
+  return placed;
+}
+
+// The calls on real buffers, for a problem check() admitted whose buffers are small.
+void run_calls(RunBytes& run, const Extras& extras, const Problem& p) {
+  const std::uint8_t memory = run.memory;
   InputBuffers inputs = allocate_inputs(memory, p);
   OutputBuffers out(p, memory);
-  const std::array<const float*, 5> ptr = call_pointers(in, memory, p, inputs, &out);
-  const std::string verdict = expected_verdict(p, ptr.data());
-  Values values(in);
+  const std::array<const float*, 5> ptr = call_pointers(memory, run.pointer, p, inputs, &out);
+  const Problem placed = place_array(p, extras, &out);
+  const std::string verdict = expected_verdict(placed, ptr.data());
+  const bool moved =
+      placed.sinks != p.sinks || placed.q_lens != p.q_lens || placed.kv_lens != p.kv_lens;
+  expect(!moved || !verdict.empty(), "an array inside an output's buffer was not rejected");
+  Values& values = run.values;
   fill_inputs(p, values, &inputs);
-  const CallChoice choice = read_calls(in);
+  const CallChoice& choice = run.choice;
   if (!verdict.empty()) {
-    expect_calls_rejected(p, verdict, ptr, choice, inputs, out);
+    expect_calls_rejected(placed, verdict, ptr, choice, inputs, out);
     return;
   }
   run_accepted_calls(p, choice, inputs, &out);
-  if ((choice.calls & 32) != 0) merge_parts(in, p, values);
+  if ((choice.calls & 32) != 0) merge_parts(run.merge, p, values);
 }
 
 }  // namespace
@@ -1164,12 +1517,22 @@ void run_calls(Bytes& in, const Problem& p) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mha;
   using namespace mha::fuzz;
+  // The whole input first: the sections check() needs last (sinks, lengths) are at its end.
   Bytes in(data, size);
-  const Problem p = decode_problem(in);
+  Problem p = decode_problem(in);
+  const std::array<std::uintptr_t, 5> addresses = read_fake_addresses(in);
+  RunBytes run = read_run_bytes(in, p);
+  const Extras extras = read_extras(in, p);
+  p.sinks = extras.sinks.get();
+  p.q_lens = extras.q_lens.get();
+  p.kv_lens = extras.kv_lens.get();
+
   const std::string message = check(p);
   expect(check(p) == message, "check() is not deterministic");
+  const std::string modeled = expected_check(p);
+  expect(message == modeled, "check said \"" + message + "\", expected \"" + modeled + "\"");
   if (message.empty()) verify_admitted(p);
-  fake_addresses(in, p);
+  fake_addresses(addresses, extras, p);
   if (!message.empty()) return 0;
   const double floats = static_cast<double>(q_extent(p)) + static_cast<double>(k_extent(p)) +
                         static_cast<double>(v_extent(p)) + static_cast<double>(o_extent(p)) +
@@ -1177,6 +1540,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const double work = static_cast<double>(p.batch) * static_cast<double>(p.q_heads) *
                       static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
                       static_cast<double>(p.head_dim);
-  if (floats <= kMaxFloats && work <= kMaxWork) run_calls(in, p);
+  if (floats <= kMaxFloats && work <= kMaxWork) run_calls(run, extras, p);
   return 0;
 }

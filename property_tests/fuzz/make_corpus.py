@@ -3,9 +3,10 @@
 
 The attention seeds cover the valid layouts (MHA, GQA, MQA, decode with split-KV, causal with
 rows that see no key, padded, head-major, broadcast and shared buffers, every call and
-kernel, merge) and each rule that rejects a problem or a call; the parse seeds the accepted
-and rejected values of every parser. The byte format is the one attention_fuzz.cpp and
-parse_fuzz.cpp document. Usage (from anywhere; rewrites both folders):
+kernel, merge, attention sinks and ragged batches) and each rule that rejects a problem or a
+call; the parse seeds the accepted and rejected values of every parser. The byte format is
+the one attention_fuzz.cpp and parse_fuzz.cpp document. Usage (from anywhere; rewrites both
+folders):
 
     /usr/bin/python3 property_tests/fuzz/make_corpus.py
 """
@@ -137,6 +138,77 @@ def merge(count_byte, o=TOKEN, lse=LSE_DENSE, flags=0, null_part=None):
     return bytes([count_byte]) + o + lse + bytes([flags] + ([] if null_part is None else [null_part]))
 
 
+# The sections run_calls reads, all zeros: for seeds whose problem is rejected (or only
+# checked) but that need the sections after them. Memory, values and calls bytes.
+NO_RUN = bytes(1 + 10 + 3)
+
+# The last sections (read_extras()): sinks, lengths, then where check_call finds those arrays.
+# A sink is a sink_value(): (s - 64) / 4 for a byte s < 0x80, a named special, or any float.
+SINK_SPECIAL = {"-inf": 0, "inf": 1, "nan": 2, "-nan": 3, "max": 4, "-max": 5, "1e30": 6,
+                "-1e30": 7, "88.8": 8, "-88.8": 9, "-150": 12, "denorm": 15, "1e38": 27}
+
+
+def sink(x):
+    if isinstance(x, str):
+        return bytes([0x80 | SINK_SPECIAL[x]])
+    if float(x * 4).is_integer() and -16 <= x < 16:
+        return bytes([int(x * 4) + 64])
+    return bytes([0xA0]) + struct.pack("<f", x)
+
+
+NO_SINKS = bytes([0])
+
+
+def sinks_all(x):  # every head x
+    return bytes([1]) + sink(x)
+
+
+def sinks_each(*xs):  # one per head
+    return bytes([2]) + b"".join(sink(x) for x in xs)
+
+
+def sinks_but(x, head, y):  # every head x but `head`, y
+    return bytes([3]) + sink(x) + field(head) + sink(y)
+
+
+# One length array: read_length_array()'s modes.
+def lens_each(*v):
+    return bytes([0]) + b"".join(field(x) for x in v)
+
+
+def lens_short_by(*v):  # the tensors' length minus each
+    return bytes([1]) + b"".join(field(x) for x in v)
+
+
+def lens_full_but(b, x):  # every sequence whole but sequence b, x
+    return bytes([2]) + field(b) + field(x)
+
+
+def lens_spread(step, start):  # (b step + start) mod (length + 1)
+    return bytes([3]) + field(step) + field(start)
+
+
+def lengths(q=None, kv=None):
+    return bytes([int(q is not None) | 2 * int(kv is not None)]) + (q or b"") + (kv or b"")
+
+
+NO_LENGTHS = bytes([0])
+O, LSE = 1, 2  # outputs for fake_at
+SINKS, Q_LENS, KV_LENS = 0, 1, 2  # arrays
+
+
+def fake_at(output, array, offset):  # a fake o or lse `offset` floats from the array's start
+    return bytes([output | array << 2]) + field(offset)
+
+
+def placed(array, in_lse=False, offset=0):  # the array copied inside the real o's (lse's) buffer
+    return bytes([(array + 1) | 4 * int(in_lse), offset])
+
+
+def extras(sinks=NO_SINKS, lens=NO_LENGTHS, fake=bytes([0]), place=bytes([0])):
+    return sinks + lens + fake + place
+
+
 def attention_seeds():
     s = {}
     run = OWN_ALL + memory(SEPARATE)
@@ -211,6 +283,57 @@ def attention_seeds():
         "021111181818181804021001000000000001010101000000020000000000000026"
         "08bdbdbdbdbdda03")
 
+    # Attention sinks: finite, -inf (none, for that head), huge; rows that see no key (lse is
+    # the sink), split-KV (the chunks without the sink, merged with it once), NaN/Inf inputs.
+    s["sinks-mha"] = (problem(1, 5, 5, 2, 2, 8) + run + values(seed=40) + calls(ALL_CALLS, 9, 1) +
+                      extras(sinks_each(1.5, -2.25)))
+    s["sinks-causal-rows-see-nothing"] = (
+        problem(2, 7, 3, 4, 2, 5, causal=True) + run + values(seed=41) + calls(ALL_CALLS, 8) +
+        extras(sinks_each(0.5, "-inf", -3, 10)))
+    s["sinks-decode-split-kv"] = (
+        problem(1, 1, 600, 4, 1, 16, causal=True, k=HEAD, v=HEAD) + run + values(seed=42) +
+        calls(ALL_CALLS, 9, 1) + extras(sinks_each(2, -1, 0, 5.75)))
+    s["sinks-huge"] = (problem(1, 4, 9, 3, 3, 8) + run + values(seed=43) + calls(ALL_CALLS, 1) +
+                       extras(sinks_each("max", "1e30", "-1e30")))
+    s["sinks-nan-inf-inputs"] = (problem(1, 5, 30, 2, 1, 8, causal=True) + run +
+                                 values(2, seed=44) + calls(ALL_CALLS, 1) + extras(sinks_all(3)))
+    # Ragged batches: empty sequences (no query, no key), whole ones, each array alone, with
+    # padded layouts, broadcast and shared KV, and a split-KV decode cut per sequence.
+    s["ragged-causal"] = (
+        problem(3, 6, 9, 2, 1, 8, causal=True) + run + values(seed=45) + calls(ALL_CALLS, 9, 1) +
+        extras(lens=lengths(lens_each(6, 0, 2), lens_each(9, 4, 0))))
+    s["ragged-sinks-padded"] = (
+        problem(2, 5, 7, 2, 2, 6, causal=True, q=HEAD, k=padded_head(3, 5, 7),
+                o=padded_token(4, 0, 9), lse=lse_padded(3, 1)) + run + values(seed=46) +
+        calls(ALL_CALLS, 1) + extras(sinks_each(1, -0.5), lengths(lens_each(3, 5),
+                                                                  lens_each(7, 0))))
+    s["ragged-q-only-broadcast"] = (
+        problem(3, 4, 9, 4, 2, 12, k=BROADCAST, v=BROADCAST) + run + values(seed=47) +
+        calls(ALL_CALLS, 3) + extras(lens=lengths(q=lens_short_by(0, 1, 3))))
+    s["ragged-kv-only-decode-split-kv"] = (
+        problem(3, 1, 700, 4, 2, 16, causal=True, k=HEAD, v=HEAD) + run + values(seed=48) +
+        calls(ALL_CALLS, 9, 1) + extras(sinks_all(0.25), lengths(kv=lens_each(700, 300, 512))))
+    s["ragged-spread-shared-kv"] = (
+        problem(4, 8, 8, 4, 4, 16) + OWN_ALL + memory(SHARED_KV) + values(seed=49) +
+        calls(ALL_CALLS, 5) + extras(lens=lengths(lens_spread(3, 1), lens_spread(5, 2))))
+    # Every kernel alone, by name and through the driver, on sinks and ragged lengths together:
+    # rows that see no key inside a sequence, a sequence without keys, one without queries.
+    s["ragged-sinks-every-kernel"] = (
+        problem(3, 5, 9, 4, 2, 8, causal=True) + run + values(seed=53) +
+        calls(1 | EVERY_KERNEL, 0, 1) + extras(sinks_each(1, "-inf", -2, 0.5),
+                                               lengths(lens_each(5, 2, 0), lens_each(9, 1, 4))))
+    s["ragged-sinks-decode-every-kernel"] = (
+        problem(2, 1, 40, 8, 2, 16, causal=True, k=HEAD, v=HEAD) + run + values(seed=54) +
+        calls(1 | EVERY_KERNEL, 0, 1) + extras(sinks_but(-1.25, 5, 7.5),
+                                               lengths(kv=lens_each(40, 13))))
+    # Merge with sinks (each counted once; rows no part saw get lse = the sink) and with
+    # q_lens (only each sequence's rows).
+    s["merge-sinks"] = (problem(2, 3, 8, 2, 1, 5) + run + values(2, seed=52) + calls(1 | 32, 0) +
+                        merge(4) + extras(sinks_each(0.75, "-inf")))
+    s["merge-sinks-ragged-in-place"] = (
+        problem(2, 4, 4, 3, 3, 6) + run + values(seed=51) + calls(1 | 32, 0) + merge(6, flags=1) +
+        extras(sinks_each(-1, 2, 12), lengths(lens_each(2, 4))))
+
     # check() rejections, one rule each.
     small = dict(b=1, lq=2, lk=3, h=2, hkv=1, d=4)
 
@@ -233,6 +356,22 @@ def attention_seeds():
     s["reject-lse-stride-negative"] = bad(lse=lse_any(-5, 2))
     s["reject-lse-overflow"] = bad(b=2, lse=lse_any(INT64_MAX, 2))
     s["reject-lse-overlaps-itself"] = bad(lse=lse_any(4, 0))
+    # The sinks and lengths, and the order of their rules: after the others but lse's.
+    s["reject-sinks-nan"] = bad() + NO_RUN + extras(sinks_each(1, "nan"))
+    s["reject-sinks-minus-nan"] = bad() + NO_RUN + extras(sinks_each("-nan", "inf"))
+    s["reject-sinks-inf"] = bad(h=4) + NO_RUN + extras(sinks_but(0.5, 2, "inf"))
+    s["reject-q-lens-negative"] = bad(b=2) + NO_RUN + extras(lens=lengths(q=lens_each(2, -1)))
+    s["reject-kv-lens-past"] = bad(b=2) + NO_RUN + extras(lens=lengths(kv=lens_each(3, 4)))
+    s["reject-kv-lens-huge"] = bad(b=3) + NO_RUN + extras(
+        lens=lengths(kv=lens_full_but(1, INT64_MAX)))
+    s["reject-q-lens-before-kv-lens"] = bad(b=2) + NO_RUN + extras(
+        lens=lengths(lens_each(1, 3), lens_each(-1, 0)))
+    s["reject-sinks-before-lens"] = bad(b=2) + NO_RUN + extras(
+        sinks_each(0, "nan"), lengths(lens_each(5, 5)))
+    s["reject-lens-before-lse"] = bad(b=2, lse=lse_any(-5, 2)) + NO_RUN + extras(
+        lens=lengths(kv=lens_short_by(0, -1)))
+    s["reject-scale-before-sinks"] = bad(scale=scale_special(4)) + NO_RUN + extras(
+        sinks_all("nan"))
     # check_call on fake addresses, and on real buffers: nulls and overlaps.
     ok = problem(**small)
     s["call-null-q"] = ok + NULL + OWN * 4
@@ -246,6 +385,20 @@ def attention_seeds():
     s["buffers-lse-in-o"] = ok + OWN_ALL + memory(LSE_IN_O, 5) + tail
     s["buffers-null-k"] = ok + OWN_ALL + memory(NULL_POINTER, 1) + tail
     s["buffers-null-o"] = ok + OWN_ALL + memory(NULL_POINTER, 3) + tail
+    # Outputs overlapping the sinks or a length array: fake addresses, then real buffers.
+    ok2 = problem(**dict(small, b=2))
+    s["call-o-overlaps-sinks"] = ok + OWN_ALL + NO_RUN + extras(sinks_each(1, 2),
+                                                               fake=fake_at(O, SINKS, -3))
+    s["call-lse-overlaps-kv-lens"] = ok2 + OWN_ALL + NO_RUN + extras(
+        lens=lengths(kv=lens_each(3, 1)), fake=fake_at(LSE, KV_LENS, 3))
+    s["call-o-after-q-lens"] = ok2 + OWN_ALL + NO_RUN + extras(
+        lens=lengths(q=lens_each(2, 1)), fake=fake_at(O, Q_LENS, 4))
+    s["buffers-sinks-in-o"] = ok + OWN_ALL + memory(SEPARATE) + tail + extras(
+        sinks_each(1, 2), place=placed(SINKS, offset=3))
+    s["buffers-q-lens-in-lse"] = ok2 + OWN_ALL + memory(SEPARATE) + tail + extras(
+        lens=lengths(q=lens_each(1, 2)), place=placed(Q_LENS, in_lse=True, offset=1))
+    s["buffers-kv-lens-in-o-no-lse"] = ok2 + OWN_ALL + memory(NO_LSE) + tail + extras(
+        lens=lengths(kv=lens_each(0, 3)), place=placed(KV_LENS))
     return s
 
 
