@@ -625,13 +625,12 @@ void quantization_error(Workspace& w) {
 // (each sequence's own pairs: Problem::q_lens, kv_lens).
 double flops(const Problem& p) {
   double pairs = 0.0;
-  for (std::int64_t b = 0; b < (ragged(p) ? p.batch : 1); ++b) {
+  for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
       pairs += static_cast<double>(visible_keys(p, b, i));
     }
   }
-  const std::int64_t copies = ragged(p) ? 1 : p.batch;
-  return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(copies * p.q_heads);
+  return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(p.q_heads);
 }
 
 // The counters of one benchmark from the seconds its iterations took.

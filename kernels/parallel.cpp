@@ -37,8 +37,7 @@ struct Task {
 
 // Sizes that bound the schedule, from the problem and the thread count alone.
 struct Bounds {
-  std::int64_t group, row_block;  // g; query rows per unit (every sequence's)
-  std::int64_t unit_rows;         // query rows of the largest unit
+  std::int64_t group, unit_rows;  // g; query rows of the largest unit
   std::int64_t units;             // units of all sequences
   std::int64_t max_tasks;         // kernel calls: units x their sequence's chunks
   std::int64_t max_parts;         // partial results (split-KV only)
@@ -51,8 +50,7 @@ struct Bounds {
 Bounds bounds(WorkspaceSize kernel_workspace, const Problem& p, int threads) {
   Bounds b;
   b.group = p.q_heads / p.kv_heads;
-  b.row_block = plan(p).row_block;
-  b.unit_rows = std::min(b.row_block, p.q_len);
+  b.unit_rows = std::min(plan(p).row_block, p.q_len);  // every sequence's row block
   b.units = b.max_tasks = b.max_parts = 0;
   b.max_chunks = 1;
   // Each sequence planned alone; without per-sequence lengths they are all alike.
