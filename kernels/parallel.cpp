@@ -122,16 +122,24 @@ Schedule schedule(const Problem& p, const Bounds& bd, const Scratch& l) {
       for (std::int64_t r0 = 0; r0 < seq.q_len; r0 += plan.row_block) {
         const std::int64_t rows = std::min(plan.row_block, seq.q_len - r0);
         const std::int64_t kv_len = p.causal ? seq.kv_len - seq.q_len + r0 + rows : seq.kv_len;
+        // A sliding window: the unit's keys start at its first row's first key, and the unit
+        // is the problem of its rows over [first, kv_len) with the same window (bottom-right
+        // alignment keeps each row's window where it was).
+        const std::int64_t first = first_key(seq, r0);
         Unit& unit = l.units[n_units];
         unit = {b, kv, r0, rows, kv_len, -1, 0};
         const std::int64_t u = n_units++;
         if (kv_len <= 0) continue;  // every row sees no key: the driver writes zeros
         // Keys every row of the unit sees: a chunk ending there or before is not causal.
-        // Cuts at multiples of the chunk up to there (and before the end).
+        // Cuts at multiples of the chunk from the first key up to there (and before the
+        // end), only where every row's window starts at that key: then every chunk lies in
+        // every row's window, which has no effect but on the last one (no problem of one
+        // window could give rows of different first keys a chunk before the last).
         const std::int64_t whole = p.causal ? kv_len - rows + 1 : kv_len;
+        const bool cuttable = plan.chunks > 1 && first_key(seq, r0 + rows - 1) == first;
         const std::int64_t cuts =
-            plan.chunks > 1 ? std::max<std::int64_t>(0, std::min(whole, kv_len - 1)) / plan.chunk
-                            : 0;
+            cuttable ? std::max<std::int64_t>(0, std::min(whole, kv_len - 1) - first) / plan.chunk
+                     : 0;
         const std::int64_t n = cuts + 1;
         if (n > 1) {
           unit.first_part = parts;
@@ -139,8 +147,9 @@ Schedule schedule(const Problem& p, const Bounds& bd, const Scratch& l) {
         }
         for (std::int64_t c = 0; c < n; ++c) {
           const bool last = c + 1 == n;
-          l.tasks[n_tasks++] = {u, c * plan.chunk, last ? kv_len : (c + 1) * plan.chunk,
-                                p.causal && last, n > 1 ? parts + c : -1};
+          l.tasks[n_tasks++] = {u, first + c * plan.chunk,
+                                last ? kv_len : first + (c + 1) * plan.chunk, p.causal && last,
+                                n > 1 ? parts + c : -1};
         }
         if (n > 1) parts += n;
       }
@@ -172,10 +181,12 @@ Plan plan(const Problem& p) {
   // sequences it is batched with.
   const std::int64_t sequence_units = p.kv_heads * ceil_div(p.q_len, plan.row_block);
   plan.units = p.batch * sequence_units;
-  if (sequence_units < Plan::kMinUnits && p.q_len < plan.row_block &&
-      p.kv_len >= 2 * Plan::kChunk) {
-    plan.chunk = std::max(Plan::kChunk, ceil_div(ceil_div(p.kv_len, Plan::kMaxChunks), 256) * 256);
-    plan.chunks = ceil_div(p.kv_len, plan.chunk);
+  // The keys a unit reads: with a sliding window, its rows' windows.
+  const std::int64_t reach =
+      p.window > 0 && p.window < p.kv_len ? std::min(p.kv_len, p.window + p.q_len - 1) : p.kv_len;
+  if (sequence_units < Plan::kMinUnits && p.q_len < plan.row_block && reach >= 2 * Plan::kChunk) {
+    plan.chunk = std::max(Plan::kChunk, ceil_div(ceil_div(reach, Plan::kMaxChunks), 256) * 256);
+    plan.chunks = ceil_div(reach, plan.chunk);
   }
   return plan;
 }

@@ -97,6 +97,7 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
      << " pad(q,k,v)=" << c.pad << "," << c.k_pad << "," << c.v_pad << " misalign=" << c.misalign
      << " storage=" << name(c.storage) << " values=" << name(c.values)
      << " value_scale=" << c.value_scale << " seed=" << c.seed;
+  if (p.window != 0) os << " window=" << p.window;
   if (!c.sinks.empty()) {
     os << " sinks=";
     for (std::size_t h = 0; h < c.sinks.size(); ++h) os << (h > 0 ? "," : "") << c.sinks[h];
@@ -286,6 +287,26 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
       };
       if (which != 1) c.q_lens = lens(p.q_len);
       if (which != 0) c.kv_lens = lens(p.kv_len);
+    }
+    if (o.any_window && *unsized(rc::gen::inRange(0, 4)) == 0) {
+      // 1 key; a few, so that a block's rows start at different keys of one tile; one off a
+      // KV tile each way, so that the window's edge crosses tiles; any up to the keys; or at
+      // least every row's keys (no window, in effect).
+      const std::vector<std::int64_t> sizes{1, kKvTile - 1, kKvTile + 1,
+                                            std::max<std::int64_t>(1, p.kv_len - 1)};
+      switch (*unsized(rc::gen::inRange(0, 4))) {
+        case 0:
+          p.window = *unsized(rc::gen::elementOf(sizes));
+          break;
+        case 1:
+          p.window = *unsized(rc::gen::inRange<std::int64_t>(1, 9));
+          break;
+        case 2:
+          p.window = *rc::gen::inRange<std::int64_t>(1, p.kv_len + 1);
+          break;
+        default:
+          p.window = p.kv_len + *unsized(rc::gen::inRange<std::int64_t>(0, 3));
+      }
     }
     c.seed = *rc::gen::arbitrary<std::uint64_t>();
     return c;

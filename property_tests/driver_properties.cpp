@@ -43,6 +43,12 @@ rc::Gen<Case> gen_split_case() {
       p.kv_len = *unsized(rc::gen::elementOf(std::vector<std::int64_t>{
           2 * chunk - 1, 2 * chunk, 2 * chunk + 1, 3 * chunk + 17, 5 * chunk - 3}));
     }
+    // 1 in 3 a sliding window of at least 2 chunks less the rows (the cut still decided):
+    // with causal rows (each window starting a key later) or without.
+    p.window = 0;
+    if (p.kv_len > 2 * chunk && *unsized(rc::gen::inRange(0, 3)) == 0) {
+      p.window = *unsized(rc::gen::inRange<std::int64_t>(2 * chunk - p.q_len + 1, p.kv_len));
+    }
     if (c.storage == Storage::fused_qkv) c.storage = Storage::separate;
     return c;
   });

@@ -55,6 +55,7 @@ TEST_P(Metamorphic, GqaEqualsRepeatedKvMha) {
 TEST_P(Metamorphic, KvPermutationInvariance) {
   CaseOptions options;
   options.causal = 0;
+  options.any_window = false;  // a window keeps the last keys
   check_property([&] {
     const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
@@ -101,7 +102,7 @@ TEST_P(Metamorphic, ConstantValuesComeOutUnchanged) {
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t h = 0; h < p.q_heads; ++h)
         for (std::int64_t i = 0; i < p.q_len; ++i) {
-          const std::int64_t n = visible_keys(p, i);
+          const std::int64_t n = ref::keys_seen(p, b, i);
           if (n == 0) continue;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             const double want = in.v[b * p.v.batch + (h / g) * p.v.head + d];
@@ -129,18 +130,18 @@ TEST_P(Metamorphic, OutputWithinVisibleValueRange) {
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t h = 0; h < p.q_heads; ++h)
         for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
-          const std::int64_t n = ref::keys_seen(p, b, i);
+          const ref::KeyRange keys = ref::key_range(p, b, i);
           const double slack = tol.accumulation[tol.row(b, h, i)];
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             double lo = std::numeric_limits<double>::infinity(), hi = -lo;
             if (sink_of(p, h) != -std::numeric_limits<float>::infinity()) lo = hi = 0.0;
-            for (std::int64_t j = 0; j < n; ++j) {
+            for (std::int64_t j = keys.first; j < keys.end; ++j) {
               const double x = in.v[b * p.v.batch + j * p.v.seq + (h / g) * p.v.head + d];
               lo = std::min(lo, x);
               hi = std::max(hi, x);
             }
             const double got = out.o_at(p, b, h, i, d);
-            if (n == 0) {
+            if (keys.first == keys.end) {
               RC_ASSERT(got == 0.0);
             } else if (!(got >= lo - slack && got <= hi + slack)) {
               RC_FAIL("o[b=" + std::to_string(b) + "][h=" + std::to_string(h) +
@@ -279,8 +280,9 @@ TEST_P(Metamorphic, NonFiniteInputsPropagate) {
       for (std::int64_t b = 0; b < p.batch; ++b)
         for (std::int64_t h = 0; h < p.q_heads; ++h)
           for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
-            const std::int64_t n = ref::keys_seen(p, b, i);
-            const bool same_kv = b == b0 && h / g == h0 && l0 < n;
+            const ref::KeyRange keys = ref::key_range(p, b, i);
+            const std::int64_t n = keys.end - keys.first;
+            const bool same_kv = b == b0 && h / g == h0 && l0 >= keys.first && l0 < keys.end;
             const bool row_hit = n > 0 && ((tensor == 0 && b == b0 && h == h0 && i == l0) ||
                                            (tensor == 1 && same_kv));
             for (std::int64_t d = 0; d < p.head_dim; ++d) {
@@ -324,22 +326,53 @@ TEST_P(Metamorphic, MinusInfiniteSinksAreNone) {
   });
 }
 
+// A sliding window at least as long as the keys of every row is no window (Problem::window):
+// the same bits of o and lse. The shortest such window, or one or two longer.
+TEST_P(Metamorphic, WindowOverEveryKeyIsNone) {
+  CaseOptions options;
+  options.any_window = false;
+  options.any_ragged = true;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Outputs none = run(call_kernel(kernel()), kernel().name, in);
+    std::int64_t most = 1;
+    for (std::int64_t b = 0; b < in.p.batch; ++b) {
+      for (std::int64_t i = 0; i < ref::rows_of(in.p, b); ++i) {
+        most = std::max(most, ref::keys_seen(in.p, b, i));
+      }
+    }
+    Problem p = in.p;
+    p.window = most + *unsized(rc::gen::inRange<std::int64_t>(0, 3));
+    const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
+    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
+    RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
+    RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+  });
+}
+
 // Partial results over KV chunks merged by their lse equal the whole (mha::merge). Chunks
 // of a causal problem end at or before key kv_len - q_len + 1 (seen whole by every row,
 // so non-causal) except the last, which stays causal. With sinks, the chunks run without
-// them and the merge counts each once (one more part in the tolerance).
+// them and the merge counts each once (one more part in the tolerance). With a sliding
+// window the keys start at the first row's first key (the others' are later), and the
+// problem is cut only where every row's window starts there (one query row, or windows
+// that reach key 0): a cut before a row's first key would need that row's window in a
+// chunk that is not the last, which no problem expresses.
 TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
   check_property([&] {
     const Case c = *gen_case();
     const Inputs in = make_inputs(c);
     const Problem& p = in.p;
+    const std::int64_t first = first_key(p, 0);
+    const bool cuttable = first == first_key(p, p.q_len - 1);
     const std::int64_t last_split =
         p.causal ? std::min(p.kv_len, p.kv_len - p.q_len + 1) : p.kv_len;
-    std::vector<std::int64_t> cuts = {0};
-    if (last_split > 1) {
+    std::vector<std::int64_t> cuts = {first};
+    if (cuttable && last_split > first + 1) {
       const int n_cuts = *unsized(rc::gen::inRange(1, 4));
       for (int t = 0; t < n_cuts; ++t) {
-        cuts.push_back(*unsized(rc::gen::inRange<std::int64_t>(1, last_split)));
+        cuts.push_back(*unsized(rc::gen::inRange<std::int64_t>(first + 1, last_split)));
       }
     }
     cuts.push_back(p.kv_len);
@@ -352,6 +385,7 @@ TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
       Problem chunk = p;
       chunk.kv_len = cuts[t + 1] - cuts[t];
       chunk.causal = p.causal && t + 2 == cuts.size();
+      chunk.window = chunk.causal || !cuttable ? p.window : 0;
       chunk.sinks = nullptr;
       parts.push_back(run(call_kernel(kernel()), kernel().name, chunk, in, in.q,
                           in.k + cuts[t] * p.k.seq, in.v + cuts[t] * p.v.seq,

@@ -23,7 +23,8 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
       const std::int64_t kv_head = h / group;
       // Rows past the sequence's own length stay zeros and -inf: they are not outputs.
       for (std::int64_t i = row_begin; i < std::min(row_end, rows_of(p, b)); ++i) {
-        const std::int64_t n = keys_seen(p, b, i);
+        const KeyRange keys = key_range(p, b, i);
+        const std::int64_t n = keys.end - keys.first;
         // Head h's sink: one more logit in the max and the sum, with no value.
         const double sink = sink_logit(p, h);
         if (n == 0) {
@@ -36,7 +37,7 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
         double m = -std::numeric_limits<double>::infinity();
         bool nan = false;
         for (std::int64_t j = 0; j < n; ++j) {
-          const KvRow key = k_row(p, k, b, j, kv_head);
+          const KvRow key = k_row(p, k, b, keys.first + j, kv_head);
           double dot = 0.0;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             dot += static_cast<double>(q_row[d]) * key.at(d);
@@ -56,7 +57,7 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
         double* o_row =
             &r.o[static_cast<std::size_t>(((b * p.q_heads + h) * p.q_len + i) * p.head_dim)];
         for (std::int64_t j = 0; j < n; ++j) {
-          const KvRow value = v_row(p, v, b, j, kv_head);
+          const KvRow value = v_row(p, v, b, keys.first + j, kv_head);
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             o_row[d] += score[static_cast<std::size_t>(j)] * value.at(d);
           }

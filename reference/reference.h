@@ -49,17 +49,30 @@ inline KvRow v_row(const Problem& p, const KvView& v, std::int64_t b, std::int64
   return kv_row(p, v, p.v, p.v_scale, b, j, h);
 }
 
-/// Sequence b's query rows (Problem::q_lens) and the keys its row i sees: the prefix
-/// [0, keys) of its own kv_lens[b] keys, bottom-right causal on its own lengths. Written
-/// here from the contract, apart from mha::sequence, which the kernels and the driver use.
+/// Sequence b's query rows (Problem::q_lens) and the keys its row i sees, [first, end) of
+/// its own kv_lens[b] keys: bottom-right causal on its own lengths, then the window's most
+/// recent of them (Problem::window). Written here from the contract, apart from
+/// mha::sequence and mha::first_key, which the kernels and the driver use.
 inline std::int64_t rows_of(const Problem& p, std::int64_t b) {
   return p.q_lens != nullptr ? p.q_lens[b] : p.q_len;
 }
-inline std::int64_t keys_seen(const Problem& p, std::int64_t b, std::int64_t i) {
+struct KeyRange {
+  std::int64_t first, end;
+};
+inline KeyRange key_range(const Problem& p, std::int64_t b, std::int64_t i) {
   const std::int64_t keys = p.kv_lens != nullptr ? p.kv_lens[b] : p.kv_len;
-  if (!p.causal) return keys;
-  const std::int64_t last = i + keys - rows_of(p, b);  // the last key row i sees
-  return std::clamp<std::int64_t>(last + 1, 0, keys);
+  std::int64_t end = keys;
+  if (p.causal) {
+    const std::int64_t last = i + keys - rows_of(p, b);  // the last key row i sees
+    end = std::clamp<std::int64_t>(last + 1, 0, keys);
+  }
+  const std::int64_t first = p.window > 0 ? std::max<std::int64_t>(0, end - p.window) : 0;
+  return {first, end};
+}
+/// How many keys row i of sequence b sees.
+inline std::int64_t keys_seen(const Problem& p, std::int64_t b, std::int64_t i) {
+  const KeyRange r = key_range(p, b, i);
+  return r.end - r.first;
 }
 
 /// Head h's sink logit (Problem::sinks) in double, -inf when p has none.

@@ -48,22 +48,24 @@ std::int64_t SensitiveInputs::row_class(std::int64_t b, std::int64_t h, std::int
 }
 
 std::int64_t SensitiveInputs::dominant(std::int64_t b, std::int64_t h, std::int64_t i) const {
-  const std::int64_t n = visible_keys(p_, i);
+  // Its keys [first, first + n): a sliding window's most recent, or all it sees.
+  const std::int64_t first = first_key(p_, i);
+  const std::int64_t n = visible_keys(p_, i) - first;
   if (n == 0) return -1;
   const std::int64_t r = (b * p_.q_heads + h) * p_.q_len + i;
   switch (r % 8) {
     case 0:
-      return n - 1;
+      return first + n - 1;
     case 1:
-      return n / 2;
+      return first + n / 2;
     case 2:
-      return 0;
+      return first;
     case 3:
-      return (n - 1) / 2;
+      return first + (n - 1) / 2;
     default:
-      return static_cast<std::int64_t>(
-          mix(seed_ ^ mix(kPick ^ mix(static_cast<std::uint64_t>(r)))) %
-          static_cast<std::uint64_t>(n));
+      return first + static_cast<std::int64_t>(
+                         mix(seed_ ^ mix(kPick ^ mix(static_cast<std::uint64_t>(r)))) %
+                         static_cast<std::uint64_t>(n));
   }
 }
 

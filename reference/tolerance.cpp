@@ -61,7 +61,8 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
       for (std::int64_t i = row_begin; i < std::min(row_end, rows_of(p, b)); ++i) {
-        const std::int64_t keys = keys_seen(p, b, i);
+        const KeyRange range = key_range(p, b, i);
+        const std::int64_t keys = range.end - range.first;
         if (keys == 0) continue;  // exact zeros and -inf (or the sink) are required
         // Step 7: a sink is one more key, of logit sinks[h] and value 0.
         const double sink = sink_logit(p, h);
@@ -73,8 +74,8 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
         std::int64_t nonzero = 0;
         logit.resize(static_cast<std::size_t>(keys));
         for (std::int64_t j = 0; j < keys; ++j) {
-          const KvRow key = k_row(p, k, b, j, kv_head);
-          const KvRow value = v_row(p, v, b, j, kv_head);
+          const KvRow key = k_row(p, k, b, range.first + j, kv_head);
+          const KvRow value = v_row(p, v, b, range.first + j, kv_head);
           double dot = 0.0, abs_dot = 0.0;
           std::int64_t products = 0;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {

@@ -166,8 +166,23 @@ float lanes_sum(__m512 x) {
 }
 
 // Lanes (query rows) that see key j: those whose visible-key count exceeds j.
-__mmask16 sees(__m512i cols, std::int64_t j) {
-  return _mm512_cmpgt_epi32_mask(cols, _mm512_set1_epi32(static_cast<int>(j)));
+// The keys of a tile each of 32 query rows (2 vectors of lanes) sees: [first, end).
+struct LaneKeys {
+  __m512i first[2], end[2];
+};
+
+// How a masked pass tells which lanes see a key: by the end of their keys only, where the
+// pass's keys are at or past every lane's first; by both ends, where they are not (a sliding
+// window's start).
+enum class Mask { none, end, range };
+
+// The lanes of vector n that see key j: j < end, and with kMask range first <= j.
+template <Mask kMask>
+__mmask16 sees(const LaneKeys& keys, int n, std::int64_t j) {
+  const __m512i key = _mm512_set1_epi32(static_cast<int>(j));
+  const __mmask16 below_end = _mm512_cmpgt_epi32_mask(keys.end[n], key);
+  if constexpr (kMask == Mask::end) return below_end;
+  return _mm512_mask_cmple_epi32_mask(below_end, keys.first[n], key);
 }
 
 // Brings KV rows into L2 ahead of their use: the next tile's K and V rows while the
@@ -352,21 +367,21 @@ MHA_NOINLINE void logits_tile(const float* qt, std::int64_t ld, const float* k, 
 // O^T = alpha O^T + V^T P^T for MD columns of head_dim and 16 NV query rows over `keys`
 // keys: ot[i][rows] = alpha[rows] ot[i][rows] + sum_j v_j[i] pt[j][rows]. The microkernel of
 // the P V product: per key, NV loads of P^T and MD broadcasts from the key's V row feed
-// MD x NV independent FMAs. kMasked: lanes whose row does not see key j (cols <= j) keep
+// MD x NV independent FMAs. kMask not none: lanes whose row does not see key j (sees()) keep
 // their accumulator, so a V row a query row does not see never reaches it (its weight is 0,
 // but 0 x Inf or 0 x NaN is NaN); alpha is then not applied (the unmasked pass did).
 // pt: [keys][ld]   v: `keys` rows, row stride v_seq, starting at column i0   ot: [MD][ld]
-template <int MD, int NV, bool kMasked>
+template <int MD, int NV, Mask kMask>
 MHA_NOINLINE void pv_tile(const float* pt, std::int64_t ld, std::int64_t j0, std::int64_t keys,
                           const float* v, std::int64_t v_seq, float* ot, const float* alpha,
-                          const __m512i* cols, Prefetch* prefetch) {
+                          const LaneKeys& seen, Prefetch* prefetch) {
   __m512 acc[MD][NV];
 #pragma GCC unroll 12
   for (int i = 0; i < MD; ++i) {
 #pragma GCC unroll 2
     for (int n = 0; n < NV; ++n) {
       acc[i][n] = _mm512_load_ps(ot + i * ld + 16 * n);
-      if (!kMasked) acc[i][n] = _mm512_mul_ps(acc[i][n], _mm512_load_ps(alpha + 16 * n));
+      if (kMask == Mask::none) acc[i][n] = _mm512_mul_ps(acc[i][n], _mm512_load_ps(alpha + 16 * n));
     }
   }
   for (std::int64_t j = j0; j < keys; ++j) {
@@ -377,15 +392,15 @@ MHA_NOINLINE void pv_tile(const float* pt, std::int64_t ld, std::int64_t j0, std
 #pragma GCC unroll 2
     for (int n = 0; n < NV; ++n) {
       b[n] = _mm512_load_ps(pt + j * ld + 16 * n);
-      if (kMasked) mask[n] = sees(cols[n], j);
+      if constexpr (kMask != Mask::none) mask[n] = sees<kMask>(seen, n, j);
     }
 #pragma GCC unroll 12
     for (int i = 0; i < MD; ++i) {
       const __m512 a = _mm512_set1_ps(row[i]);
 #pragma GCC unroll 2
       for (int n = 0; n < NV; ++n) {
-        acc[i][n] = kMasked ? _mm512_mask3_fmadd_ps(a, b[n], acc[i][n], mask[n])
-                            : _mm512_fmadd_ps(a, b[n], acc[i][n]);
+        acc[i][n] = kMask != Mask::none ? _mm512_mask3_fmadd_ps(a, b[n], acc[i][n], mask[n])
+                                        : _mm512_fmadd_ps(a, b[n], acc[i][n]);
       }
     }
   }
@@ -396,18 +411,19 @@ MHA_NOINLINE void pv_tile(const float* pt, std::int64_t ld, std::int64_t j0, std
   }
 }
 
-// chains[n][c] = step(n, j, chains[n][c]) for every key j < keys of each of NV vectors,
-// key j in chain j mod kChains (the tail in chain 0); chains start at `init`. Fully
-// unrolled over the chains and vectors, so that they stay in registers.
+// chains[n][c] = step(n, j, chains[n][c]) for every key j in [begin, keys) of each of NV
+// vectors, key begin + i in chain i mod kChains (the tail in chain 0); chains start at
+// `init`. Fully unrolled over the chains and vectors, so that they stay in registers.
 constexpr int kChains = 4;
 template <int NV, typename Step>
-void fold_keys(std::int64_t keys, __m512 init, __m512 (&chains)[NV][kChains], Step step) {
+void fold_keys(std::int64_t begin, std::int64_t keys, __m512 init, __m512 (&chains)[NV][kChains],
+               Step step) {
 #pragma GCC unroll 2
   for (int n = 0; n < NV; ++n) {
 #pragma GCC unroll 4
     for (int c = 0; c < kChains; ++c) chains[n][c] = init;
   }
-  std::int64_t j = 0;
+  std::int64_t j = begin;
   for (; j + kChains <= keys; j += kChains) {
 #pragma GCC unroll 4
     for (int c = 0; c < kChains; ++c) {
@@ -421,11 +437,11 @@ void fold_keys(std::int64_t keys, __m512 init, __m512 (&chains)[NV][kChains], St
   }
 }
 
-// The online-softmax step of 16 NV query rows (one lane each) over `keys` keys of this
-// tile: st[j][0 .. 16 NV) holds the rows' base-2 logits of key j and becomes their weights
-// 2^(logit - m); m, l and alpha (the factor 2^(m_old - m_new) P V applies to O^T) are the
-// rows' running max, sum and rescale factor. kMasked: lane r of vector n sees only keys
-// j < cols[n][r]; other lanes get weight 0 and stay out of the max and the sum.
+// The online-softmax step of 16 NV query rows (one lane each) over the keys [begin, keys)
+// of this tile: st[j][0 .. 16 NV) holds the rows' base-2 logits of key j and becomes their
+// weights 2^(logit - m); m, l and alpha (the factor 2^(m_old - m_new) P V applies to O^T)
+// are the rows' running max, sum and rescale factor. kMask not none: a lane sees only the
+// keys sees() gives it; other lanes get weight 0 and stay out of the max and the sum.
 //
 // Both vectors of a strip in one pass, four running maxima and sums per vector (keys j mod
 // 4), in registers. The max pass is short (a load and a VMAXPS per key) but its result
@@ -433,18 +449,19 @@ void fold_keys(std::int64_t keys, __m512 init, __m512 (&chains)[NV][kChains], St
 // vector at a time, with four chains, the softmax took 1.7x its in-L1 time inside the
 // kernel at D = 16. (Indexed as an array, j % 4, GCC 12 kept the chains in memory: a
 // store-to-load forwarding per key, 8.5 cycles per 16 logits where the 2^x needs 5.)
-template <bool kMasked, int NV>
-void online_softmax(float* st, std::int64_t ld, std::int64_t keys, const __m512i* cols, float* m,
-                    float* l, float* alpha) {
+template <Mask kMask, int NV>
+void online_softmax(float* st, std::int64_t ld, std::int64_t begin, std::int64_t keys,
+                    const LaneKeys& seen, float* m, float* l, float* alpha) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // VMAXPS returns its second source when either is NaN: max(x, mv) skips NaN logits (as
   // blocked does), so m never becomes NaN; their weights are NaN and reach l and O.
   const auto max_at = [&](int n, std::int64_t key, __m512 a) {
     const __m512 x = _mm512_load_ps(st + key * ld + 16 * n);
-    return kMasked ? _mm512_mask_max_ps(a, sees(cols[n], key), x, a) : _mm512_max_ps(x, a);
+    if constexpr (kMask == Mask::none) return _mm512_max_ps(x, a);
+    return _mm512_mask_max_ps(a, sees<kMask>(seen, n, key), x, a);
   };
   __m512 mv[NV][kChains];
-  fold_keys(keys, neg_inf, mv, max_at);
+  fold_keys(begin, keys, neg_inf, mv, max_at);
   // Logits relative to 0 while a row's max is -inf (no finite logit yet): see
   // mha::support::logit_shift. alpha is 2^-inf = 0 when m_old is -inf, 1 when the max did not grow.
   __m512 base[NV];
@@ -462,12 +479,13 @@ void online_softmax(float* st, std::int64_t ld, std::int64_t keys, const __m512i
   const auto weigh = [&](int n, std::int64_t key, __m512 sum) {
     const __m512 x = _mm512_sub_ps(_mm512_load_ps(st + key * ld + 16 * n), base[n]);
     const __m512 e = mha::avx512::exp2_nonpositive(x);
-    const __m512 w = kMasked ? _mm512_maskz_mov_ps(sees(cols[n], key), e) : e;
+    __m512 w = e;
+    if constexpr (kMask != Mask::none) w = _mm512_maskz_mov_ps(sees<kMask>(seen, n, key), e);
     _mm512_store_ps(st + key * ld + 16 * n, w);
     return _mm512_add_ps(sum, w);
   };
   __m512 sums[NV][kChains];
-  fold_keys(keys, _mm512_setzero_ps(), sums, weigh);
+  fold_keys(begin, keys, _mm512_setzero_ps(), sums, weigh);
 #pragma GCC unroll 2
   for (int n = 0; n < NV; ++n) {
     const __m512 sum =
@@ -815,11 +833,13 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
     std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
     std::fill(ls, ls + rows, 0.0f);
     std::fill(acc_rows, acc_rows + rows * d16, 0.0f);
-    const std::int64_t block_keys = block.keys(p);
-    Prefetch(k_head, k_seq, v_head, v_seq, std::min(decode_keys, block_keys), dim, kBytes<T>, 1)
+    // Keys [block_first, block_keys): a sliding window's tiles start at its first key.
+    const std::int64_t block_keys = block.keys(p), block_first = block.first_key(p);
+    Prefetch(k_head + block_first * k_seq, k_seq, v_head + block_first * v_seq, v_seq,
+             std::min(decode_keys, block_keys - block_first), dim, kBytes<T>, 1)
         .all();
 
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += decode_keys) {
+    for (std::int64_t c0 = block_first; c0 < block_keys; c0 += decode_keys) {
       const std::int64_t tile_keys = std::min(decode_keys, block_keys - c0);
       const std::int64_t next_keys =
           std::clamp(block_keys - c0 - decode_keys, std::int64_t{0}, decode_keys);
@@ -828,16 +848,18 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
       Prefetch next(next_keys > 0 ? k_head + (c0 + decode_keys) * k_seq : k_head, k_seq,
                     next_keys > 0 ? v_head + (c0 + decode_keys) * v_seq : v_head, v_seq,
                     ahead ? 0 : next_keys, dim, kBytes<T>, steps);
-      const Elem<T>* k_tile = k_head + c0 * k_seq;
-      const Elem<T>* v_tile = v_head + c0 * v_seq;
-
       // The group of R rows t0 + r q_len (query heads head0 + t0 / q_len + r, one query row).
       const auto run_group = [&](auto group_size, std::int64_t t0) __attribute__((always_inline)) {
         constexpr int R = decltype(group_size)::value;
         constexpr int kKeys = kGroupKeys<R>;
-        // The same for every row of the group: they share the query row.
-        const std::int64_t cols = block.tile_keys_seen(p, t0, c0, tile_keys);
+        // The same for every row of the group, which share the query row: the tile's keys
+        // [c0 + first, c0 + first + cols).
+        const std::int64_t first = block.tile_first_seen(p, t0, c0, tile_keys);
+        const std::int64_t cols = block.tile_keys_seen(p, t0, c0, tile_keys) - first;
         if (cols == 0) return;
+        const std::int64_t c1 = c0 + first;
+        const Elem<T>* k_tile = k_head + c1 * k_seq;
+        const Elem<T>* v_tile = v_head + c1 * v_seq;
         // A copy the group's loops step, its state in registers (the next group goes on from
         // where this one stopped).
         Prefetch pf = next;
@@ -847,7 +869,8 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
         const bool leads = ahead && t0 == 0;
         const std::int64_t k_ahead = leads ? decode_keys * k_seq * kBytes<T> : 0;
         const std::int64_t v_ahead = leads ? decode_keys * v_seq * kBytes<T> : 0;
-        const std::int64_t ahead_keys = leads ? next_keys : 0;  // none: no prefetch at all
+        // none: no prefetch at all (the next tile's rows are `first` keys further on)
+        const std::int64_t ahead_keys = leads ? next_keys - first : 0;
         // Base-2 logits of the rows' `cols` keys, kKeys at a time: row r's dot product with
         // key i in a[r kKeys + i], over slices of 128 columns of head_dim. Row r's logits go
         // to weights + r ldw.
@@ -878,7 +901,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
           if constexpr (T == mha::KvType::i8) {
             alignas(64) float scales[16] = {};
             for (std::int64_t i = 0; i < nk; ++i) {
-              const float scale = k_view.scale[(c0 + j0 + i) * p.k_scale.seq];
+              const float scale = k_view.scale[(c1 + j0 + i) * p.k_scale.seq];
               for (int r = 0; r < R; ++r) scales[r * kKeys + i] = scale;
             }
             s = _mm512_mul_ps(s, _mm512_load_ps(scales));
@@ -926,7 +949,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
           }
           ls[t] = ls[t] * alpha[r] + lanes_sum(sum);
           if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum
-            for (std::int64_t j = 0; j < cols; ++j) w[j] *= v_view.scale[(c0 + j) * p.v_scale.seq];
+            for (std::int64_t j = 0; j < cols; ++j) w[j] *= v_view.scale[(c1 + j) * p.v_scale.seq];
           }
         }
         // O = alpha O + P V over the rows' keys, pv_vectors(R) zmm of head_dim at a time.
@@ -996,17 +1019,18 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
 // 1 KiB apart over 34 pages; strip-major measured 1-2.5% faster at D = 128). S^T is one
 // [Bc][32] panel, reused by every strip. Within a panel, rows are kStrip apart.
 struct Scratch {
-  std::int64_t ldkv;   // row stride of the K and V copies: head_dim rounded up to 16, plus 16
-                       // (an odd number of cache lines, so that rows spread over the L1 sets)
-  float* qt;           // per strip [head_dim][32]: Q^T
-  float* st;           // [Bc][32]: the strip's S^T, then P^T
-  float* ot;           // per strip [head_dim][32]: O^T
-  float* m;            // [R']: running maxima (base 2)
-  float* l;            // [R']: running sums
-  float* alpha;        // [R']: this tile's rescale factors
-  float* k_tile;       // [Bc][ldkv]: the K tile's rows
-  float* v_tile;       // [Bc][ldkv]: the V tile's rows
-  std::int32_t* cols;  // [R']: keys of this tile each row sees
+  std::int64_t ldkv;    // row stride of the K and V copies: head_dim rounded up to 16, plus 16
+                        // (an odd number of cache lines, so that rows spread over the L1 sets)
+  float* qt;            // per strip [head_dim][32]: Q^T
+  float* st;            // [Bc][32]: the strip's S^T, then P^T
+  float* ot;            // per strip [head_dim][32]: O^T
+  float* m;             // [R']: running maxima (base 2)
+  float* l;             // [R']: running sums
+  float* alpha;         // [R']: this tile's rescale factors
+  float* k_tile;        // [Bc][ldkv]: the K tile's rows
+  float* v_tile;        // [Bc][ldkv]: the V tile's rows
+  std::int32_t* first;  // [R']: the keys of this tile each row sees, [first, end)
+  std::int32_t* end;
 };
 
 Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
@@ -1022,7 +1046,8 @@ Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
   s.alpha = carve.take<float>(block_rows);
   s.k_tile = carve.take<float>(tiling.keys * s.ldkv);
   s.v_tile = carve.take<float>(tiling.keys * s.ldkv);
-  s.cols = carve.take<std::int32_t>(block_rows);
+  s.first = carve.take<std::int32_t>(block_rows);
+  s.end = carve.take<std::int32_t>(block_rows);
   return s;
 }
 
@@ -1036,11 +1061,25 @@ struct Tile {
   Rows k, v;
 };
 
-// A strip of 32 (or, last, 16) block rows from row s0, and the keys of the tile some row of
-// it sees (S is computed up to there) and all of its rows see (P V without masks up to there).
+// A strip of 32 (or, last, 16) block rows from row s0, the keys of the tile some row of it
+// sees, [begin, most) (S is computed over them), and those all of its rows see, [lo, shared)
+// (P V without masks over them; none when lo >= shared). Without a sliding window begin and
+// lo are 0.
 struct Strip {
-  std::int64_t s0, rows, most, shared;
+  std::int64_t s0, rows, begin, most, lo, shared;
 };
+
+// The strip's rows' keys, [first, end), as lanes (the second vector repeats the first for a
+// strip of 16 rows).
+LaneKeys lane_keys(const Strip& strip, const std::int32_t* first, const std::int32_t* end) {
+  LaneKeys keys;
+  for (int n = 0; n < 2; ++n) {
+    const std::int64_t t = strip.s0 + 16 * std::min<std::int64_t>(n, strip.rows / 16 - 1);
+    keys.first[n] = _mm512_loadu_si512(first + t);
+    keys.end[n] = _mm512_loadu_si512(end + t);
+  }
+  return keys;
+}
 
 // The phases of one block, in the order the file's header lists them.
 
@@ -1065,7 +1104,7 @@ std::int64_t start_block(const mha::Problem& p, const Block& block, const float*
 // S^T = scale log2(e) K Q^T for the strip, 12 keys at a time.
 void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, __m512 logit_scale,
                   const Scratch& s, Prefetch* pf) {
-  for (std::int64_t j = 0; j < strip.most; j += kMr) {
+  for (std::int64_t j = strip.begin; j < strip.most; j += kMr) {
     with_count<kMr>(strip.most - j, [&](auto keys) {
       constexpr int kKeys = decltype(keys)::value;
       const float* qt = panel_lane(s.qt, strip.s0, p.head_dim);
@@ -1081,61 +1120,65 @@ void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, _
   }
 }
 
-// The online softmax of the strip's rows; masks only where a row sees part of the keys
-// (the causal diagonal and the zero padding).
+// The online softmax of the strip's rows over [begin, most); masks only where a row sees
+// part of those keys (the causal diagonal, a sliding window's start, the zero padding).
 void strip_softmax(const Block& block, const Strip& strip, const Scratch& s) {
-  __m512i c[2];
-  bool whole = strip.s0 + strip.rows <= block.rows;
-  for (int n = 0; n < strip.rows / 16; ++n) {
-    c[n] = _mm512_loadu_si512(s.cols + strip.s0 + 16 * n);
-    whole = whole &&
-            _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(strip.most)), c[n]) == 0;
-  }
+  const LaneKeys seen = lane_keys(strip, s.first, s.end);
+  // The seeing rows' firsts differ: [begin, most) holds keys before some row's window.
+  const bool starts = strip.lo > strip.begin;
+  const bool whole = strip.s0 + strip.rows <= block.rows && !starts && strip.shared == strip.most;
   float* const m = s.m + strip.s0;
   float* const l = s.l + strip.s0;
   float* const alpha = s.alpha + strip.s0;
-  if (strip.rows == 32) {
+  const auto run = [&](auto vectors) {
+    constexpr int NV = decltype(vectors)::value;
     if (whole) {
-      online_softmax<false, 2>(s.st, kStrip, strip.most, c, m, l, alpha);
+      online_softmax<Mask::none, NV>(s.st, kStrip, strip.begin, strip.most, seen, m, l, alpha);
+    } else if (!starts) {
+      online_softmax<Mask::end, NV>(s.st, kStrip, strip.begin, strip.most, seen, m, l, alpha);
     } else {
-      online_softmax<true, 2>(s.st, kStrip, strip.most, c, m, l, alpha);
+      online_softmax<Mask::range, NV>(s.st, kStrip, strip.begin, strip.most, seen, m, l, alpha);
     }
-  } else if (whole) {
-    online_softmax<false, 1>(s.st, kStrip, strip.most, c, m, l, alpha);
+  };
+  if (strip.rows == 32) {
+    run(std::integral_constant<int, 2>{});
   } else {
-    online_softmax<true, 1>(s.st, kStrip, strip.most, c, m, l, alpha);
+    run(std::integral_constant<int, 1>{});
   }
 }
 
 // O^T = alpha O^T + V^T P^T, 12 columns of head_dim at a time: keys every row sees without
-// masks, the others (causal diagonal) with.
+// masks (the pass that applies alpha, run even over no key), the others (before them: a
+// sliding window's start; after them: the causal diagonal) with.
 void strip_pv(const mha::Problem& p, const Tile& tile, const Strip& strip, const Scratch& s,
               Prefetch* pf) {
-  __m512i strip_cols[2];
-  for (int n = 0; n < 2; ++n) {
-    strip_cols[n] =
-        _mm512_loadu_si512(s.cols + strip.s0 + 16 * std::min<std::int64_t>(n, strip.rows / 16 - 1));
-  }
+  const LaneKeys seen = lane_keys(strip, s.first, s.end);
   const float* alpha = s.alpha + strip.s0;
+  // Unmasked [lo, shared); masked [begin, before) and [shared, most).
+  const std::int64_t shared = std::max(strip.lo, strip.shared);
+  const std::int64_t before = std::min(strip.lo, strip.most);
   for (std::int64_t d = 0; d < p.head_dim; d += kMr) {
     with_count<kMr>(p.head_dim - d, [&](auto columns) {
       constexpr int kCols = decltype(columns)::value;
       float* o_cols = panel_lane(s.ot, strip.s0, p.head_dim) + d * kStrip;
       const float* v_cols = tile.v.at + d;
+      const auto passes = [&](auto vectors) {
+        constexpr int NV = decltype(vectors)::value;
+        pv_tile<kCols, NV, Mask::none>(s.st, kStrip, strip.lo, shared, v_cols, tile.v.seq, o_cols,
+                                       alpha, seen, pf);
+        if (strip.begin < before) {  // keys before some row's window
+          pv_tile<kCols, NV, Mask::range>(s.st, kStrip, strip.begin, before, v_cols, tile.v.seq,
+                                          o_cols, alpha, seen, pf);
+        }
+        if (shared < strip.most) {  // keys at or past every row's first: the ends decide
+          pv_tile<kCols, NV, Mask::end>(s.st, kStrip, shared, strip.most, v_cols, tile.v.seq,
+                                        o_cols, alpha, seen, pf);
+        }
+      };
       if (strip.rows == 32) {
-        pv_tile<kCols, 2, false>(s.st, kStrip, 0, strip.shared, v_cols, tile.v.seq, o_cols, alpha,
-                                 strip_cols, pf);
-        if (strip.shared < strip.most) {
-          pv_tile<kCols, 2, true>(s.st, kStrip, strip.shared, strip.most, v_cols, tile.v.seq,
-                                  o_cols, alpha, strip_cols, pf);
-        }
+        passes(std::integral_constant<int, 2>{});
       } else {
-        pv_tile<kCols, 1, false>(s.st, kStrip, 0, strip.shared, v_cols, tile.v.seq, o_cols, alpha,
-                                 strip_cols, pf);
-        if (strip.shared < strip.most) {
-          pv_tile<kCols, 1, true>(s.st, kStrip, strip.shared, strip.most, v_cols, tile.v.seq,
-                                  o_cols, alpha, strip_cols, pf);
-        }
+        passes(std::integral_constant<int, 1>{});
       }
     });
   }
@@ -1230,7 +1273,8 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
     const std::int64_t padded = start_block(p, block, q, s);
     const mha::KvView k_view = mha::kv_row(k, type, p.k, p.k_scale, block.batch, 0, block.kv_head);
     const mha::KvView v_view = mha::kv_row(v, type, p.v, p.v_scale, block.batch, 0, block.kv_head);
-    const std::int64_t block_keys = block.keys(p);
+    // Keys [block_first, block_keys): a sliding window's tiles start at its first key.
+    const std::int64_t block_keys = block.keys(p), block_first = block.first_key(p);
     // Decode-sized blocks (at most kSmallBlockRows rows, 16 to 64 per KV head) compute a
     // tile too briefly to hide reading the next one: their first strip prefetches it,
     // spread over the microkernel steps. Larger blocks compute each tile long enough for
@@ -1239,7 +1283,8 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
     const bool small = padded <= kSmallBlockRows;
     const std::int64_t steps = (bc + kMr - 1) / kMr * dim + (dim + kMr - 1) / kMr * bc;
     if (small) {
-      Prefetch(k_view.data, p.k.seq, v_view.data, p.v.seq, std::min(bc, block_keys), dim, bytes, 1)
+      Prefetch(at(k_view, block_first * p.k.seq), p.k.seq, at(v_view, block_first * p.v.seq),
+               p.v.seq, std::min(bc, block_keys - block_first), dim, bytes, 1)
           .all();
     }
     // K and V tiles are copied to the padded stride ldkv, except in decode-sized blocks
@@ -1255,7 +1300,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
     };
     const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
 
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+    for (std::int64_t c0 = block_first; c0 < block_keys; c0 += bc) {
       const std::int64_t tile_keys = std::min(bc, block_keys - c0);
       const std::int64_t next_keys = std::clamp(block_keys - c0 - bc, std::int64_t{0}, bc);
       // As in decode_rows: the next tile's rows only when it has keys.
@@ -1272,15 +1317,23 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
       };
       const Tile tile{c0, tile_keys, tile_rows(k_view, p.k.seq, p.k_scale.seq, copy_k, s.k_tile),
                       tile_rows(v_view, p.v.seq, p.v_scale.seq, copy_v, s.v_tile)};
-      for (std::int64_t t = 0; t < padded; ++t) {
-        const std::int64_t n = t < block.rows ? block.tile_keys_seen(p, t, c0, tile_keys) : 0;
-        s.cols[t] = static_cast<std::int32_t>(n);
+      for (std::int64_t t = 0; t < padded; ++t) {  // padding rows see no key
+        std::int64_t first = 0, end = 0;
+        if (t < block.rows) {
+          first = block.tile_first_seen(p, t, c0, tile_keys);
+          end = block.tile_keys_seen(p, t, c0, tile_keys);
+          if (first == end) first = end = 0;  // none of the tile
+        }
+        s.first[t] = static_cast<std::int32_t>(first);
+        s.end[t] = static_cast<std::int32_t>(end);
       }
       for (std::int64_t s0 = 0; s0 < padded; s0 += kStrip) {
-        Strip strip{s0, std::min(kStrip, padded - s0), 0, tile_keys};
+        Strip strip{s0, std::min(kStrip, padded - s0), tile_keys, 0, 0, tile_keys};
         for (std::int64_t t = s0; t < std::min(s0 + strip.rows, block.rows); ++t) {
-          strip.most = std::max<std::int64_t>(strip.most, s.cols[t]);
-          strip.shared = std::min<std::int64_t>(strip.shared, s.cols[t]);
+          if (s.end[t] > 0) strip.begin = std::min<std::int64_t>(strip.begin, s.first[t]);
+          strip.most = std::max<std::int64_t>(strip.most, s.end[t]);
+          strip.lo = std::max<std::int64_t>(strip.lo, s.first[t]);
+          strip.shared = std::min<std::int64_t>(strip.shared, s.end[t]);
         }
         if (strip.most == 0) {  // no row of the strip sees this tile: alpha = 1, O^T unchanged
           std::fill(s.alpha + s0, s.alpha + s0 + strip.rows, 1.0f);

@@ -18,7 +18,10 @@
 // Causal masking is bottom-right aligned, so every row sees a prefix of the keys and the
 // mask is a per-row column count: tiles past the block's last visible key are never
 // visited, tiles below the diagonal run at full width, and only tiles crossing the
-// diagonal are cut short per row. A row that sees no key is written as zeros, lse = -inf.
+// diagonal are cut short per row. A sliding window is a per-row first key likewise: the
+// block's tiles start at its first row's first key, and each row's products, softmax and
+// P V start at its own (so V rows outside a row's window never reach it, not even as 0 x
+// Inf). A row that sees no key is written as zeros, lse = -inf.
 //
 // Layout: any strides mha::check accepts (token-major, head-major, padded, stride 0,
 // shared or fused inputs); no alignment assumed. Reads only elements the strides address
@@ -218,11 +221,21 @@ struct Tile {
 };
 
 // S = scale Q K^T for every block row over the keys of the tile it sees (K^T in s.kt).
+// The keys of the tile block row t sees: [first, first + count).
+struct Seen {
+  std::int64_t first, count;
+};
+Seen seen(const mha::Problem& p, const Block& block, const Tile& tile, std::int64_t t) {
+  const std::int64_t first = block.tile_first_seen(p, t, tile.c0, tile.keys);
+  return {first, block.tile_keys_seen(p, t, tile.c0, tile.keys) - first};
+}
+
 void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
                  std::int64_t bc, const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    logits(block.q_row(p, q, t), s.kt, bc, p.head_dim,
-           block.tile_keys_seen(p, t, tile.c0, tile.keys), p.scale, s.s + t * bc);
+    const Seen keys = seen(p, block, tile, t);
+    logits(block.q_row(p, q, t), s.kt + keys.first, bc, p.head_dim, keys.count, p.scale,
+           s.s + t * bc + keys.first);
   }
 }
 
@@ -230,8 +243,9 @@ void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, co
 void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, std::int64_t bc,
                   const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    online_softmax(s.s + t * bc, block.tile_keys_seen(p, t, tile.c0, tile.keys), s.m + t, s.l + t,
-                   s.acc + t * p.head_dim, p.head_dim);
+    const Seen keys = seen(p, block, tile, t);
+    online_softmax(s.s + t * bc + keys.first, keys.count, s.m + t, s.l + t, s.acc + t * p.head_dim,
+                   p.head_dim);
   }
 }
 
@@ -239,7 +253,8 @@ void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, s
 void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
              std::int64_t v_seq, std::int64_t bc, const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    accumulate_pv(s.s + t * bc, block.tile_keys_seen(p, t, tile.c0, tile.keys), v_tile, v_seq,
+    const Seen keys = seen(p, block, tile, t);
+    accumulate_pv(s.s + t * bc + keys.first, keys.count, v_tile + keys.first * v_seq, v_seq,
                   p.head_dim, s.acc + t * p.head_dim);
   }
 }
@@ -289,7 +304,7 @@ void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvVie
       return s.wide;
     };
     const std::int64_t block_keys = block.keys(p);
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+    for (std::int64_t c0 = block.first_key(p); c0 < block_keys; c0 += bc) {
       const Tile tile{c0, std::min(bc, block_keys - c0)};
       std::int64_t seq = 0;
       const float* k_tile = tile_rows(k, p.k, p.k_scale, c0, tile.keys, &seq);

@@ -2,8 +2,8 @@
 // KvType (each element widened to fp32 as it is read: mha/kv_types.h's value_at).
 //
 // For each (batch, query head, query row): the full score row s = scale * q K^T over the
-// visible keys, a stable softmax (subtract the row max, exp, sum; the head's sink joins the
-// sum: mha::sink_row_end), then o = softmax(s) V.
+// keys it sees (its sliding window's, with one), a stable softmax (subtract the row max, exp,
+// sum; the head's sink joins the sum: mha::sink_row_end), then o = softmax(s) V.
 // Layout: any strides mha::check accepts; reads only the elements the strides address,
 // writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
 // caller's; the kernel allocates nothing; SIZE_MAX when kv_len floats overflow size_t).
@@ -43,13 +43,15 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
       for (std::int64_t i = 0; i < p.q_len; ++i) {
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
         float* o_row = o + b * p.o.batch + i * p.o.seq + h * p.o.head;
-        const std::int64_t n = mha::visible_keys(p, i);
+        // The row's keys [first, first + n): its window's, or all it sees.
+        const std::int64_t first = mha::first_key(p, i);
+        const std::int64_t n = mha::visible_keys(p, i) - first;
 
         // s[j] = scale * q.k_j; m = max_j s[j]. A NaN logit is not the max, but exp(NaN - m)
         // below is NaN, so it still reaches the output.
         float m = -std::numeric_limits<float>::infinity();
         for (std::int64_t j = 0; j < n; ++j) {
-          const mha::KvView row = k_row(j);
+          const mha::KvView row = k_row(first + j);
           const float row_scale = i8 ? *row.scale : 1.0f;
           float dot = 0.0f;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
@@ -75,7 +77,7 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
 
         for (std::int64_t d = 0; d < p.head_dim; ++d) o_row[d] = 0.0f;
         for (std::int64_t j = 0; j < n; ++j) {
-          const mha::KvView row = v_row(j);
+          const mha::KvView row = v_row(first + j);
           const float row_scale = i8 ? *row.scale : 1.0f;
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             o_row[d] += score[j] * mha::kv::value_at(type, row.data, d, row_scale);

@@ -3,13 +3,14 @@
 // algorithm of kernels/blocked/blocked.cpp; read that file first.
 //
 // Computes what mha/attention.h specifies: per query head h (reading KV head h / g,
-// g = q_heads / kv_heads), o = softmax(scale * q k^T + causal mask) v and lse = the log of
-// the softmax denominator, one KV tile at a time. Two paths; decodes(p) chooses:
+// g = q_heads / kv_heads), o = softmax(scale * q k^T + causal and window mask) v and lse = the
+// log of the softmax denominator, one KV tile at a time. Two paths; decodes(p) chooses:
 //
 // Prefill, g x q_len >= 8 rows per KV head:
 //
 //   for each (batch, KV head, block of g x Br query rows):   for_each_block, start_block
-//     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped):
+//     for each KV tile of Bc keys some row of the block sees (causal: later tiles skipped;
+//       sliding window: earlier ones)
 //       pack K^T of the tile (4 x 4 transposes), widened to fp32,    pack_k_transposed
 //         zero-padded to a multiple of 4 keys; all g heads share it
 //       S = scale * Q K^T        microkernel 4 rows x 16 keys        tile_logits
@@ -60,12 +61,16 @@
 // 16 keys' dot products of one row (dot_16_keys, with 4 vectors of q), and 16 vectors (64
 // columns) of one row's O (add_weighted_rows, 4 keys' weights per load, used by lane).
 //
-// Causal masking is bottom-right aligned: every row sees a prefix of the keys. Prefill
-// computes a microkernel block's logits up to the last key one of its rows sees and masks
-// the rest per row in the softmax; decode computes each row's logits over its own keys
-// only. P V only visits the keys a row sees (prefill: rows of a microkernel block share the
-// keys all of them see; each row then adds its own few extra keys alone), so NaN or Inf in
-// a masked V row never reaches a row. Tiles no row sees are skipped.
+// Causal masking is bottom-right aligned: every row sees a prefix of the keys [0, end), and
+// with a sliding window (Problem::window) only the window's last keys of it, [first, end).
+// Prefill computes a microkernel block's logits over the keys one of its rows sees and masks
+// the rest per row in the softmax (so keys outside a row's window never weigh in its max);
+// decode computes each row's logits over its own keys only. P V only visits the keys a row
+// sees (prefill: rows of a microkernel block share the keys all of them see; each row then
+// adds its own others alone, those before the shared ones where its window starts earlier
+// and its few past them on the diagonal), so NaN or Inf in a masked V row never reaches a
+// row, not even as 0 x Inf. Tiles no row sees are skipped: a block's tiles start at its
+// first row's first key.
 //
 // K and V of a reduced type (Problem::kv_type, mha/attention.h and mha/kv_types.h), read
 // once per tile in their own type and never expanded as a whole: 4 elements at a time,
@@ -445,22 +450,38 @@ void pv_rows(const float* p, std::int64_t ld_p, std::int64_t keys, const float* 
   }
 }
 
-// One row's online-softmax step over its `cols` logits of this tile (as blocked's
-// online_softmax): s becomes the weights exp(s - m). s has whole vectors up to
-// round_up4(cols) (scratch); lanes past cols are overwritten but not summed.
-void online_softmax(float* s, std::int64_t cols, float* m, float* l, float* acc,
+// The lanes of the 4 keys j .. j + 4 that are among the keys [first, end).
+inline uint32x4_t lanes_within(std::int64_t j, std::int64_t first, std::int64_t end) {
+  const std::int32_t lane_ids[4] = {0, 1, 2, 3};
+  const int32x4_t lanes = vld1q_s32(lane_ids);
+  return vandq_u32(vcgeq_s32(lanes, vdupq_n_s32(static_cast<std::int32_t>(first - j))),
+                   vcltq_s32(lanes, vdupq_n_s32(static_cast<std::int32_t>(end - j))));
+}
+
+// One row's online-softmax step over its logits s[first .. end) of this tile (as blocked's
+// online_softmax): they become the weights exp(s - m). s has whole vectors from first
+// rounded down to 4 up to round_up4(end) (scratch); the lanes outside [first, end) there are
+// overwritten but weigh neither in m nor in l.
+void online_softmax(float* s, std::int64_t first, std::int64_t end, float* m, float* l, float* acc,
                     std::int64_t ld_acc) {
   const float m_old = *m;
+  const std::int64_t first4 = first - first % 4;  // the vector of the row's first key
+  const float32x4_t neg_inf = vdupq_n_f32(-std::numeric_limits<float>::infinity());
   // `>` (FCMGT) ignores NaN logits as blocked does, so m never becomes NaN; their weights
   // are NaN and reach l and acc.
-  float32x4_t mv = vdupq_n_f32(-std::numeric_limits<float>::infinity());
-  std::int64_t j = 0;
-  for (; j + 4 <= cols; j += 4) {
+  float32x4_t mv = neg_inf;
+  std::int64_t j = first4;
+  if (j < first) {  // a sliding window starts within the vector: its lanes before it as -inf
+    const float32x4_t x = vbslq_f32(lanes_within(j, first, end), vld1q_f32(s + j), neg_inf);
+    mv = vbslq_f32(vcgtq_f32(x, mv), x, mv);
+    j += 4;
+  }
+  for (; j + 4 <= end; j += 4) {
     const float32x4_t x = vld1q_f32(s + j);
     mv = vbslq_f32(vcgtq_f32(x, mv), x, mv);
   }
   float m_new = std::max(m_old, vmaxvq_f32(mv));  // no lane of mv is NaN
-  for (; j < cols; ++j) m_new = s[j] > m_new ? s[j] : m_new;
+  for (; j < end; ++j) m_new = s[j] > m_new ? s[j] : m_new;
 
   if (m_new > m_old) {
     const float alpha = std::exp(m_old - m_new);  // exactly 0 when m_old is -inf
@@ -473,20 +494,24 @@ void online_softmax(float* s, std::int64_t cols, float* m, float* l, float* acc,
 
   const float32x4_t base = vdupq_n_f32(mha::support::logit_shift(m_new));
   float32x4_t sum = vdupq_n_f32(0.0f);
-  j = 0;
-  for (; j + 4 <= cols; j += 4) {
+  // Lanes outside [first, end) in the first and last vectors hold other keys' logits:
+  // computed, masked out of l.
+  const auto add_partial = [&](std::int64_t at) {
+    const float32x4_t w = mha::neon::exp_nonpositive(vsubq_f32(vld1q_f32(s + at), base));
+    vst1q_f32(s + at, w);
+    sum = vaddq_f32(sum, vbslq_f32(lanes_within(at, first, end), w, vdupq_n_f32(0.0f)));
+  };
+  j = first4;
+  if (j < first) {
+    add_partial(j);
+    j += 4;
+  }
+  for (; j + 4 <= end; j += 4) {
     const float32x4_t w = mha::neon::exp_nonpositive(vsubq_f32(vld1q_f32(s + j), base));
     vst1q_f32(s + j, w);
     sum = vaddq_f32(sum, w);
   }
-  if (j < cols) {  // lanes past cols hold other keys' logits: computed, masked out of l
-    const float32x4_t w = mha::neon::exp_nonpositive(vsubq_f32(vld1q_f32(s + j), base));
-    vst1q_f32(s + j, w);
-    const std::int32_t lane_ids[4] = {0, 1, 2, 3};
-    const uint32x4_t keep =
-        vcltq_s32(vld1q_s32(lane_ids), vdupq_n_s32(static_cast<std::int32_t>(cols - j)));
-    sum = vaddq_f32(sum, vbslq_f32(keep, w, vdupq_n_f32(0.0f)));
-  }
+  if (j < end) add_partial(j);
   *l += vaddvq_f32(sum);
 }
 
@@ -540,6 +565,16 @@ struct Tile {
   std::int64_t c0, keys;
 };
 
+// The keys of the tile block row t sees: [first, end), {0, 0} when it sees none of them.
+struct Seen {
+  std::int64_t first, end;
+};
+Seen seen(const mha::Problem& p, const Block& block, const Tile& tile, std::int64_t t) {
+  const std::int64_t first = block.tile_first_seen(p, t, tile.c0, tile.keys);
+  const std::int64_t end = block.tile_keys_seen(p, t, tile.c0, tile.keys);
+  return first < end ? Seen{first, end} : Seen{0, 0};
+}
+
 // The phases of one block, in the order the file's header lists them.
 
 void start_block(const Block& block, const Scratch& s) {
@@ -548,20 +583,26 @@ void start_block(const Block& block, const Scratch& s) {
   std::fill(s.acc, s.acc + block.rows * s.ld_acc, 0.0f);
 }
 
-// S = scale Q K^T, kRows block rows at a time, up to the last key one of them sees.
+// S = scale Q K^T, kRows block rows at a time, over the keys one of them sees, from the
+// vector of 4 that holds the first.
 void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
                  const Scratch& s) {
   for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
     const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
     const float* qr[kRows];
-    std::int64_t most = 0;  // columns the rows need (others are ignored)
+    std::int64_t first = tile.keys, end = 0;  // columns the rows need (others are ignored)
     for (std::int64_t r = 0; r < nr; ++r) {
       qr[r] = block.q_row(p, q, t0 + r);
-      most = std::max(most, block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys));
+      const Seen keys = seen(p, block, tile, t0 + r);
+      if (keys.end == 0) continue;
+      first = std::min(first, keys.first);
+      end = std::max(end, keys.end);
     }
+    if (end == 0) continue;
+    const std::int64_t from = first - first % 4;
     mha::support::with_count<kRows>(nr, [&](auto rows) {
-      logits_rows<decltype(rows)::value>(qr, s.kt, s.ld, p.head_dim, round_up4(most), p.scale,
-                                         s.s + t0 * s.ld);
+      logits_rows<decltype(rows)::value>(qr, s.kt + from, s.ld, p.head_dim, round_up4(end) - from,
+                                         p.scale, s.s + t0 * s.ld + from);
     });
   }
 }
@@ -569,32 +610,45 @@ void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, co
 // The online-softmax step of every block row that sees a key of the tile.
 void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    const std::int64_t n = block.tile_keys_seen(p, t, tile.c0, tile.keys);
-    if (n > 0) online_softmax(s.s + t * s.ld, n, s.m + t, s.l + t, s.acc + t * s.ld_acc, s.ld_acc);
+    const Seen keys = seen(p, block, tile, t);
+    if (keys.end > 0) {
+      online_softmax(s.s + t * s.ld, keys.first, keys.end, s.m + t, s.l + t, s.acc + t * s.ld_acc,
+                     s.ld_acc);
+    }
   }
 }
 
 // O += P V, kRows block rows at a time: keys every row of the group sees through the
-// nr-row microkernel; a row's keys past those (the causal diagonal) through a one-row pass
-// of its own. v_tile: the tile's first V row, rows v_seq apart.
+// nr-row microkernel; a row's others (before those: its sliding window starts earlier; past
+// them: the causal diagonal) through one-row passes of its own. v_tile: the tile's first V
+// row, rows v_seq apart.
 void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
              std::int64_t v_seq, const Scratch& s) {
   for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
     const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
-    std::int64_t shared = tile.keys;
+    std::int64_t begin = 0, end = tile.keys;  // the shared keys: [begin, end)
     for (std::int64_t r = 0; r < nr; ++r) {
-      shared = std::min(shared, block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys));
+      const Seen keys = seen(p, block, tile, t0 + r);
+      begin = std::max(begin, keys.first);
+      end = std::min(end, keys.end);
     }
+    end = std::max(begin, end);
     const float* p_rows = s.s + t0 * s.ld;
     float* acc_rows = s.acc + t0 * s.ld_acc;
     mha::support::with_count<kRows>(nr, [&](auto rows) {
-      pv_rows<decltype(rows)::value>(p_rows, s.ld, shared, v_tile, v_seq, p.head_dim, acc_rows,
-                                     s.ld_acc);
+      pv_rows<decltype(rows)::value>(p_rows + begin, s.ld, end - begin, v_tile + begin * v_seq,
+                                     v_seq, p.head_dim, acc_rows, s.ld_acc);
     });
     for (std::int64_t r = 0; r < nr; ++r) {
-      const std::int64_t extra = block.tile_keys_seen(p, t0 + r, tile.c0, tile.keys) - shared;
-      pv_rows<1>(p_rows + r * s.ld + shared, s.ld, extra, v_tile + shared * v_seq, v_seq,
-                 p.head_dim, acc_rows + r * s.ld_acc, s.ld_acc);
+      const Seen keys = seen(p, block, tile, t0 + r);
+      const float* p_row = p_rows + r * s.ld;
+      float* acc_row = acc_rows + r * s.ld_acc;
+      const std::int64_t before = std::min(begin, keys.end);  // [keys.first, before)
+      pv_rows<1>(p_row + keys.first, s.ld, before - keys.first, v_tile + keys.first * v_seq, v_seq,
+                 p.head_dim, acc_row, s.ld_acc);
+      const std::int64_t after = std::max(end, keys.first);  // [after, keys.end)
+      pv_rows<1>(p_row + after, s.ld, keys.end - after, v_tile + after * v_seq, v_seq, p.head_dim,
+                 acc_row, s.ld_acc);
     }
   }
 }
@@ -909,21 +963,27 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
     const auto* k_head = static_cast<const Elem<T>*>(k_row0.data);
     const auto* v_head = static_cast<const Elem<T>*>(v_row0.data);
     constexpr auto kBytes = static_cast<std::int64_t>(sizeof(Elem<T>));
-    const std::int64_t block_keys = block.keys(p);
-    Prefetch(k_head, p.k.seq, v_head, p.v.seq, 0, std::min(bd, block_keys), dim, kBytes, 1).all();
+    // Keys [block_first, block_keys): a sliding window's tiles start at its first key.
+    const std::int64_t block_keys = block.keys(p), block_first = block.first_key(p);
+    Prefetch first_tile(k_head, p.k.seq, v_head, p.v.seq, block_first,
+                        std::min(bd, block_keys - block_first), dim, kBytes, 1);
+    first_tile.all();
 
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bd) {
+    for (std::int64_t c0 = block_first; c0 < block_keys; c0 += bd) {
       const std::int64_t tile_keys = std::min(bd, block_keys - c0);
       Prefetch next(k_head, p.k.seq, v_head, p.v.seq, c0 + bd,
                     std::clamp(block_keys - c0 - bd, std::int64_t{0}, bd), dim, kBytes,
                     block.rows * row_steps);
-      const Elem<T>* k_tile = k_head + c0 * p.k.seq;
-      const Elem<T>* v_tile = v_head + c0 * p.v.seq;
-      const float* k_scales = scales_from<T>(k_row0.scale, c0, p.k_scale.seq);
-      const float* v_scales = scales_from<T>(v_row0.scale, c0, p.v_scale.seq);
       for (std::int64_t t = 0; t < block.rows; ++t) {
-        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys);
+        // The row's keys of the tile: [c0 + first, c0 + first + cols).
+        const std::int64_t first = block.tile_first_seen(p, t, c0, tile_keys);
+        const std::int64_t cols = block.tile_keys_seen(p, t, c0, tile_keys) - first;
         if (cols == 0) continue;
+        const std::int64_t j0 = c0 + first;
+        const Elem<T>* k_tile = k_head + j0 * p.k.seq;
+        const Elem<T>* v_tile = v_head + j0 * p.v.seq;
+        const float* k_scales = scales_from<T>(k_row0.scale, j0, p.k_scale.seq);
+        const float* v_scales = scales_from<T>(v_row0.scale, j0, p.v_scale.seq);
         const float tile_max = row_logits<T>(block.q_row(p, q, t), k_tile, p.k.seq, k_scales,
                                              p.k_scale.seq, cols, dim, p.scale, s.weights, next);
         const float alpha = row_softmax(s.weights, cols, tile_max, m + t, l + t);
@@ -961,7 +1021,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
     const auto* k_head = static_cast<const Elem<T>*>(k_row0.data);
     const auto* v_head = static_cast<const Elem<T>*>(v_row0.data);
     const std::int64_t block_keys = block.keys(p);
-    for (std::int64_t c0 = 0; c0 < block_keys; c0 += bc) {
+    for (std::int64_t c0 = block.first_key(p); c0 < block_keys; c0 += bc) {
       const Tile tile{c0, std::min(bc, block_keys - c0)};
       pack_k_transposed<T>(k_head + c0 * p.k.seq, p.k.seq,
                            scales_from<T>(k_row0.scale, c0, p.k_scale.seq), p.k_scale.seq,

@@ -16,6 +16,9 @@
 //   With a KV cache the new queries are the last q_len positions, so a decoded token sees
 //   the whole cache. When q_len == kv_len this is the usual lower triangle. (PyTorch's
 //   `is_causal` aligns top-left instead; the two differ whenever q_len != kv_len.)
+// * Sliding window (Problem::window = w > 0): a row sees only the w most recent of the keys
+//   the causal rule lets it see, [max(0, end - w), end) for a row that sees [0, end) without
+//   it; a decode step reads w keys, a prefill O(L w).
 // * A row that sees no key (causal with q_len > kv_len) outputs zeros and lse = -inf,
 //   never NaN.
 // * Ragged batches (Problem::q_lens, kv_lens: continuous batching): sequence b has its own
@@ -140,6 +143,13 @@ struct Problem {
   /// query nothing. Either array may be given alone.
   const std::int64_t* q_lens = nullptr;
   const std::int64_t* kv_lens = nullptr;
+  /// Sliding window: 0 (none), or the most keys a row sees: the `window` most recent of
+  /// those the causal rule lets it see (without causal masking, of all of a sequence's keys),
+  /// so a row that sees [0, end) without it sees [max(0, end - window), end) (Mistral,
+  /// Gemma 2's local layers, gpt-oss). Counted on each sequence's own keys. Negative values
+  /// are rejected (check()); a window at least as long as every row's keys is no window, bit
+  /// for bit.
+  std::int64_t window = 0;
 };
 
 /// True when p has per-sequence lengths (Problem::q_lens or kv_lens).
@@ -242,15 +252,29 @@ inline Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t
   return p;
 }
 
-/// Number of keys query row `row` sees: a prefix [0, visible_keys) of the keys. For a
-/// problem without per-sequence lengths (or one sequence of it: mha::sequence).
+/// The end of the keys query row `row` sees: they are [first_key, visible_keys), a prefix
+/// [0, visible_keys) without a sliding window. For a problem without per-sequence lengths (or
+/// one sequence of it: mha::sequence).
 inline std::int64_t visible_keys(const Problem& p, std::int64_t row) {
   if (!p.causal) return p.kv_len;
   const std::int64_t n = row + 1 + (p.kv_len - p.q_len);
   return n < 0 ? 0 : (n > p.kv_len ? p.kv_len : n);
 }
 
-/// The same for row `row` (< q_len_of(p, b)) of sequence b, ragged or not.
+/// The first key query row `row` sees: 0, or with a sliding window (Problem::window) the
+/// first of its `window` most recent. Never decreases with the row; at most visible_keys.
+inline std::int64_t first_key(const Problem& p, std::int64_t row) {
+  if (p.window == 0) return 0;
+  const std::int64_t first = visible_keys(p, row) - p.window;
+  return first < 0 ? 0 : first;
+}
+
+/// The number of keys query row `row` sees: visible_keys - first_key.
+inline std::int64_t keys_seen(const Problem& p, std::int64_t row) {
+  return visible_keys(p, row) - first_key(p, row);
+}
+
+/// visible_keys for row `row` (< q_len_of(p, b)) of sequence b, ragged or not.
 inline std::int64_t visible_keys(const Problem& p, std::int64_t b, std::int64_t row) {
   return visible_keys(sequence(p, b), row);
 }
@@ -514,9 +538,9 @@ inline std::string str(std::int64_t v) { return std::to_string(v); }
 
 }  // namespace detail
 
-/// Validates shapes, strides, scale, the sinks' values and the sequences' lengths. Returns an empty
-/// string when the problem is valid, otherwise one message naming the field and the constraint it
-/// breaks.
+/// Validates shapes, strides, scale, the window, the sinks' values and the sequences' lengths.
+/// Returns an empty string when the problem is valid, otherwise one message naming the field and
+/// the constraint it breaks.
 inline std::string check(const Problem& p) {
   using detail::str;
   const struct {
@@ -587,6 +611,10 @@ inline std::string check(const Problem& p) {
         return "highest offset of " + std::string(t.name) + " overflows int64_t bytes";
       }
     }
+  }
+
+  if (p.window < 0) {
+    return "window (" + str(p.window) + ") must be >= 0 (0: no sliding window)";
   }
 
   if (p.sinks != nullptr) {

@@ -21,7 +21,9 @@ namespace mha {
 ///   so that a unit is about 512 rows of all g heads (a block of the avx512 kernel); MQA
 ///   (g = 32) gets 16-row blocks. Rows are sliced with bottom-right causal alignment
 ///   (DESIGN.md, section 4): rows [r0, r1) see keys up to kv_len - q_len + r1; a slice that sees no
-///   key is written as zeros and lse = -inf by the driver itself.
+///   key is written as zeros and lse = -inf by the driver itself. With a sliding window
+///   (Problem::window) a unit's keys start at its first row's first key: the unit is the
+///   problem of its rows over those keys, with the same window.
 /// * Split-KV: when a sequence (one batch element) has fewer units than kMinUnits, the units are
 /// short of rows
 ///   (q_len below the row block: decoding) and the KV length is long, each unit's KV range
@@ -32,7 +34,11 @@ namespace mha {
 ///   the last, which stays causal. The cut depends on the sequence alone (its lengths and
 ///   heads), not on the batch size, so a sequence's output does not depend on the thread count
 ///   or on the other sequences in its batch. With sinks (Problem::sinks), the chunks run without
-///   them and the merge counts each once.
+///   them and the merge counts each once. With a sliding window, the keys a unit's rows read
+///   (the window, plus a key per row after the first) decide the split, chunks are cut from the
+///   unit's first key, and only a unit whose rows' windows all start at that key is cut (one
+///   query row, or windows that reach key 0), so that every chunk lies in every row's window
+///   (a chunk before the last could not give rows different first keys).
 struct Plan {
   static constexpr std::int64_t kUnitRows = 512;  ///< rows of all g heads per unit, about
   /// Query rows per unit at most: 512, so that an MHA unit (g = 1) is a whole avx512 block

@@ -481,14 +481,22 @@ struct Block {
     return v + batch * p.v.batch + kv_head * p.v.head;
   }
 
-  /// Keys some row of the block sees: its last row sees the most (a prefix); tiles past
-  /// them are masked for every row and never visited.
+  /// The keys some row of the block sees are [first_key, keys): its first row's first (0
+  /// without a sliding window) to its last row's end. Tiles outside them are masked for every
+  /// row and never visited.
   std::int64_t keys(const Problem& p) const { return visible_keys(p, r0 + br - 1); }
-  /// Keys of the tile [c0, c0 + tile_keys) that block row t sees: all of them below the
-  /// causal diagonal, a prefix where the tile crosses it, none above it.
+  std::int64_t first_key(const Problem& p) const { return mha::first_key(p, r0); }
+  /// Of the tile [c0, c0 + tile_keys), block row t sees the keys [tile_first_seen,
+  /// tile_keys_seen): the end is the tile's end below the causal diagonal, where the tile
+  /// crosses it, or c0 above it; the first is c0 unless the row's sliding window begins
+  /// within the tile (or after it: then the two are equal, and the row sees none of it).
   std::int64_t tile_keys_seen(const Problem& p, std::int64_t t, std::int64_t c0,
                               std::int64_t tile_keys) const {
     return std::clamp(visible_keys(p, row(t)) - c0, std::int64_t{0}, tile_keys);
+  }
+  std::int64_t tile_first_seen(const Problem& p, std::int64_t t, std::int64_t c0,
+                               std::int64_t tile_keys) const {
+    return std::clamp(mha::first_key(p, row(t)) - c0, std::int64_t{0}, tile_keys);
   }
 };
 

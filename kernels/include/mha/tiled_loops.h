@@ -196,18 +196,19 @@ struct Loops {
   // = R rounded up to MR, the rows of the microkernels' arrays, R where groups may be
   // partial; each array starts on 64 bytes).
   struct Scratch {
-    std::int64_t dim_p;  // head_dim rounded up to P: O's row stride, V panels x P
-    float* kp;           // [Bc / P][head_dim][P]: the K tile, packed
-    float* vp;           // [dim_p / P][Bc][P]: the V tile, packed
-    float* qp;           // [RM / MR][head_dim][MR]: the block's Q, packed
-    float* s;            // [RM][Bc]: logits, then weights
-    float* acc;          // [RM][dim_p]: O
-    float* rowmax;       // [RM][W]: lane maxima of the tile's logits
-    float* m;            // [R]: running maxima (base 2)
-    float* l;            // [R]: running sums
-    float* alpha;        // [RM]: this tile's rescale factors
-    std::int64_t* cols;  // [R]: keys of this tile each row sees
-    float* wide;         // [Bc][head_dim]: a K or V tile widened (kv_type not f32; else null)
+    std::int64_t dim_p;   // head_dim rounded up to P: O's row stride, V panels x P
+    float* kp;            // [Bc / P][head_dim][P]: the K tile, packed
+    float* vp;            // [dim_p / P][Bc][P]: the V tile, packed
+    float* qp;            // [RM / MR][head_dim][MR]: the block's Q, packed
+    float* s;             // [RM][Bc]: logits, then weights
+    float* acc;           // [RM][dim_p]: O
+    float* rowmax;        // [RM][W]: lane maxima of the tile's logits
+    float* m;             // [R]: running maxima (base 2)
+    float* l;             // [R]: running sums
+    float* alpha;         // [RM]: this tile's rescale factors
+    std::int64_t* cols;   // [R]: the end of the keys of this tile each row sees
+    std::int64_t* first;  // [R]: and their first (a sliding window's; 0 without)
+    float* wide;          // [Bc][head_dim]: a K or V tile widened (kv_type not f32; else null)
   };
 
   // Br: mha::support::packed_rows_per_head's rule (its comment gives the rule and its
@@ -240,6 +241,7 @@ struct Loops {
     s.l = carve.take<float>(rows);
     s.alpha = carve.take<float>(padded);
     s.cols = carve.take<std::int64_t>(rows);
+    s.first = carve.take<std::int64_t>(rows);
     s.wide = p.kv_type == mha::KvType::f32 ? nullptr : carve.take<float>(kKeys * dim);
     return s;
   }
@@ -296,6 +298,19 @@ struct Loops {
         v_ahead.step();
       }
     }
+    // Rows whose sliding window starts within the tile: the logits before it -inf, and the
+    // lane maxima taken again over the rest, so that no key outside the window (not even a
+    // NaN one) weighs in.
+    for (std::int64_t t = 0; t < block.rows; ++t) {
+      if (s.first[t] == 0) continue;
+      float* row = s.s + t * kKeys;
+      std::fill(row, row + s.first[t], neg_inf());
+      float most = neg_inf();
+      for (std::int64_t j = s.first[t]; j < s.cols[t]; ++j) most = row[j] > most ? row[j] : most;
+      float* lane = s.rowmax + lanes * t;
+      std::fill(lane, lane + lanes, neg_inf());
+      lane[0] = most;
+    }
   }
 
   // The online-softmax step of every row: S becomes the weights P, alpha the rescale factor.
@@ -311,9 +326,10 @@ struct Loops {
   }
 
   // O = alpha O + P V, V panel by V panel, each reused by every group from L1: keys every row
-  // of a group sees through the group's microkernel, each row's extra keys (the causal
-  // diagonal) through a 1-row pass, so that NaN or Inf in a V row a query row does not see
-  // never reaches it (not even as 0 x Inf). Steps k_ahead once per group.
+  // of a group sees through the group's microkernel, each row's others (before the shared
+  // ones: its sliding window starts earlier; after them: the causal diagonal) through a 1-row
+  // pass, so that NaN or Inf in a V row a query row does not see never reaches it (not even
+  // as 0 x Inf). Steps k_ahead once per group.
   static void tile_pv(const Block& block, std::int64_t keys, const Scratch& s,
                       RowPrefetch& k_ahead) {
     const std::int64_t panel = K::panel();
@@ -321,30 +337,43 @@ struct Loops {
       const float* vp = s.vp + (cp / panel) * kKeys * panel;
       for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
         const int nr = group_rows(block, t0);
-        std::int64_t shared = keys, most = 0;
+        std::int64_t begin = 0, end = keys, most = 0;  // keys [begin, end): the shared ones
         bool rescale = false;  // none once the group's maxima have settled (every alpha 1)
         for (int r = 0; r < nr; ++r) {
-          shared = std::min(shared, s.cols[t0 + r]);
+          begin = std::max(begin, s.first[t0 + r]);
+          end = std::min(end, s.cols[t0 + r]);
           most = std::max(most, s.cols[t0 + r]);
           rescale |= s.alpha[t0 + r] != 1.0f;
         }
         if (most == 0) continue;  // no row of the group sees the tile: alpha is 1
+        end = std::max(begin, end);
         k_ahead.step();
         const float* p_rows = s.s + t0 * kKeys;
         const float* alpha = rescale ? s.alpha + t0 : nullptr;
         float* o_rows = s.acc + t0 * s.dim_p + cp;
+        const float* p_shared = p_rows + begin;
+        const float* v_shared = vp + begin * panel;
         if constexpr (K::kWholeGroups) {
-          K::template pv_tile<kRows>(p_rows, shared, vp, alpha, o_rows, s.dim_p);
+          K::template pv_tile<kRows>(p_shared, end - begin, v_shared, alpha, o_rows, s.dim_p);
         } else {
           mha::support::with_count<kRows>(nr, [&](auto rows) {
-            K::template pv_tile<decltype(rows)::value>(p_rows, shared, vp, alpha, o_rows, s.dim_p);
+            K::template pv_tile<decltype(rows)::value>(p_shared, end - begin, v_shared, alpha,
+                                                       o_rows, s.dim_p);
           });
         }
-        for (int r = 0; r < nr; ++r) {  // each row's keys past the shared ones
-          const std::int64_t extra = s.cols[t0 + r] - shared;
-          if (extra > 0) {
-            K::template pv_tile<1>(p_rows + r * kKeys + shared, extra, vp + shared * panel, nullptr,
+        for (int r = 0; r < nr; ++r) {  // each row's keys before and past the shared ones
+          const std::int64_t first = s.first[t0 + r], cols = s.cols[t0 + r];
+          const std::int64_t before = std::min(begin, cols) - first;
+          const std::int64_t after = cols - std::max(end, first);
+          const float* p_row = p_rows + r * kKeys;
+          if (before > 0) {
+            K::template pv_tile<1>(p_row + first, before, vp + first * panel, nullptr,
                                    o_rows + r * s.dim_p, s.dim_p);
+          }
+          if (after > 0) {
+            const std::int64_t j = std::max(end, first);
+            K::template pv_tile<1>(p_row + j, after, vp + j * panel, nullptr, o_rows + r * s.dim_p,
+                                   s.dim_p);
           }
         }
       }
@@ -381,10 +410,13 @@ struct Loops {
       const mha::KvView k_head = kv_head(p, block, k, p.k, p.k_scale);
       const mha::KvView v_head = kv_head(p, block, v, p.v, p.v_scale);
       const std::int64_t block_keys = block.keys(p);
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += kKeys) {
+      for (std::int64_t c0 = block.first_key(p); c0 < block_keys; c0 += kKeys) {
         const std::int64_t keys = std::min(kKeys, block_keys - c0);
-        for (std::int64_t t = 0; t < block.rows; ++t)
+        for (std::int64_t t = 0; t < block.rows; ++t) {
           s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
+          s.first[t] = block.tile_first_seen(p, t, c0, keys);
+          if (s.first[t] == s.cols[t]) s.cols[t] = s.first[t] = 0;  // none of the tile
+        }
         RowPrefetch v_ahead, k_ahead;
         if constexpr (!kTyped) {
           // V of this tile arrives during S, K of the next one during P V.
@@ -493,11 +525,13 @@ struct Loops {
       std::fill(ms, ms + rows, neg_inf());
       std::fill(ls, ls + rows, 0.0f);
       std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
-      const std::int64_t block_keys = block.keys(p);
+      // Keys [block_first, block_keys): a sliding window's tiles start at its first key.
+      const std::int64_t block_keys = block.keys(p), block_first = block.first_key(p);
       // The first tile, before it is needed.
-      prefetch_rows(k_head, p.k.seq, v_head, p.v.seq, std::min(tile_keys, block_keys), dim);
+      prefetch_rows(k_head + block_first * p.k.seq, p.k.seq, v_head + block_first * p.v.seq,
+                    p.v.seq, std::min(tile_keys, block_keys - block_first), dim);
 
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+      for (std::int64_t c0 = block_first; c0 < block_keys; c0 += tile_keys) {
         const std::int64_t keys = std::min(tile_keys, block_keys - c0);
         const std::int64_t next =
             std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
@@ -515,10 +549,12 @@ struct Loops {
           }
         };
         for (std::int64_t t = 0; t < rows; ++t) {
-          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+          // The row's keys of the tile: [first, first + cols).
+          const std::int64_t first = block.tile_first_seen(p, t, c0, keys);
+          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys) - first;
           if (cols == 0) continue;
-          const float tile_max = K::decode_logits(block.q_row(p, q, t), k_tile, p.k.seq, cols, dim,
-                                                  c, s.weights, prefetch_step);
+          const float tile_max = K::decode_logits(block.q_row(p, q, t), k_tile + first * p.k.seq,
+                                                  p.k.seq, cols, dim, c, s.weights, prefetch_step);
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
@@ -526,7 +562,8 @@ struct Loops {
           }
           const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(ms[t]));
           ls[t] = ls[t] * alpha + sum;
-          K::decode_pv(s.weights, cols, v_tile, p.v.seq, dim, s.acc + t * s.dim_w, alpha);
+          K::decode_pv(s.weights, cols, v_tile + first * p.v.seq, p.v.seq, dim, s.acc + t * s.dim_w,
+                       alpha);
         }
       }
 
@@ -565,10 +602,11 @@ struct Loops {
       std::fill(ms, ms + rows, neg_inf());
       std::fill(ls, ls + rows, 0.0f);
       std::fill(s.acc, s.acc + rows * s.dim_w, 0.0f);
-      const std::int64_t block_keys = block.keys(p);
-      prefetch_rows(k0, k_bytes, v0, v_bytes, std::min(tile_keys, block_keys), row);
+      const std::int64_t block_keys = block.keys(p), block_first = block.first_key(p);
+      prefetch_rows(k0 + block_first * k_bytes, k_bytes, v0 + block_first * v_bytes, v_bytes,
+                    std::min(tile_keys, block_keys - block_first), row);
 
-      for (std::int64_t c0 = 0; c0 < block_keys; c0 += tile_keys) {
+      for (std::int64_t c0 = block_first; c0 < block_keys; c0 += tile_keys) {
         const std::int64_t keys = std::min(tile_keys, block_keys - c0);
         const std::int64_t next =
             std::clamp(block_keys - c0 - tile_keys, std::int64_t{0}, tile_keys);
@@ -592,17 +630,24 @@ struct Loops {
           }
         };
         // Block row t on its own.
+        // The keys of the tile block row t sees: [first, first + cols).
+        const auto seen = [&](std::int64_t t, std::int64_t* first) {
+          *first = block.tile_first_seen(p, t, c0, keys);
+          return block.tile_keys_seen(p, t, c0, keys) - *first;
+        };
         const auto one_row = [&](std::int64_t t) {
-          const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys);
+          std::int64_t first = 0;
+          const std::int64_t cols = seen(t, &first);
           if (cols == 0) return;
           float tile_max;
           if constexpr (K::kKvDecode) {
-            tile_max = K::template decode_logits_kv<T>(block.q_row(p, q, t), k_tile, p.k.seq,
-                                                       k_scale, p.k_scale.seq, cols, dim, c,
-                                                       s.weights, prefetch_step);
+            tile_max = K::template decode_logits_kv<T>(
+                block.q_row(p, q, t), k_tile + first * k_bytes, p.k.seq,
+                T == mha::KvType::i8 ? k_scale + first * p.k_scale.seq : k_scale, p.k_scale.seq,
+                cols, dim, c, s.weights, prefetch_step);
           } else {
-            tile_max = K::decode_logits(block.q_row(p, q, t), s.k_wide, dim, cols, dim, c,
-                                        s.weights, prefetch_step);
+            tile_max = K::decode_logits(block.q_row(p, q, t), s.k_wide + first * dim, dim, cols,
+                                        dim, c, s.weights, prefetch_step);
           }
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
@@ -612,10 +657,13 @@ struct Loops {
           const float sum = K::decode_weights(s.weights, cols, mha::support::logit_shift(ms[t]));
           ls[t] = ls[t] * alpha + sum;
           if constexpr (K::kKvDecode) {
-            K::template decode_pv_kv<T>(s.weights, cols, v_tile, p.v.seq, v_scale, p.v_scale.seq,
-                                        dim, s.acc + t * s.dim_w, alpha);
+            K::template decode_pv_kv<T>(
+                s.weights, cols, v_tile + first * v_bytes, p.v.seq,
+                T == mha::KvType::i8 ? v_scale + first * p.v_scale.seq : v_scale, p.v_scale.seq,
+                dim, s.acc + t * s.dim_w, alpha);
           } else {
-            K::decode_pv(s.weights, cols, s.v_wide, dim, dim, s.acc + t * s.dim_w, alpha);
+            K::decode_pv(s.weights, cols, s.v_wide + first * dim, dim, dim, s.acc + t * s.dim_w,
+                         alpha);
           }
         };
         if constexpr (K::kKvDecode && K::kDecodeGroup > 1) {
@@ -623,14 +671,16 @@ struct Loops {
           // the same keys.
           const auto group = [&](auto size, std::int64_t t0) {
             constexpr int R = decltype(size)::value;
-            const std::int64_t cols = block.tile_keys_seen(p, t0, c0, keys);
+            std::int64_t first = 0;
+            const std::int64_t cols = seen(t0, &first);
             if (cols == 0) return;
             const float* qr[R];
             for (int r = 0; r < R; ++r) qr[r] = block.q_row(p, q, t0 + r * p.q_len);
             float tile_max[R], alpha[R];
-            K::template decode_logits_group_kv<R, T>(qr, k_tile, p.k.seq, k_scale, p.k_scale.seq,
-                                                     cols, dim, c, s.weights, s.ldw, tile_max,
-                                                     prefetch_step);
+            K::template decode_logits_group_kv<R, T>(
+                qr, k_tile + first * k_bytes, p.k.seq,
+                T == mha::KvType::i8 ? k_scale + first * p.k_scale.seq : k_scale, p.k_scale.seq,
+                cols, dim, c, s.weights, s.ldw, tile_max, prefetch_step);
             for (int r = 0; r < R; ++r) {
               const std::int64_t t = t0 + r * p.q_len;
               alpha[r] = 1.0f;
@@ -642,9 +692,10 @@ struct Loops {
                   K::decode_weights(s.weights + r * s.ldw, cols, mha::support::logit_shift(ms[t]));
               ls[t] = ls[t] * alpha[r] + sum;
             }
-            K::template decode_pv_group_kv<R, T>(s.weights, s.ldw, cols, v_tile, p.v.seq, v_scale,
-                                                 p.v_scale.seq, dim, s.acc + t0 * s.dim_w,
-                                                 p.q_len * s.dim_w, alpha);
+            K::template decode_pv_group_kv<R, T>(
+                s.weights, s.ldw, cols, v_tile + first * v_bytes, p.v.seq,
+                T == mha::KvType::i8 ? v_scale + first * p.v_scale.seq : v_scale, p.v_scale.seq,
+                dim, s.acc + t0 * s.dim_w, p.q_len * s.dim_w, alpha);
           };
           const std::int64_t heads = p.q_heads / p.kv_heads;
           for (std::int64_t i = 0; i < p.q_len; ++i) {  // query row i
