@@ -102,6 +102,19 @@ TEST(Check, SinksAreFiniteOrMinusInfinity) {
   EXPECT_EQ(check(p), "sinks[3] (inf) must be finite or -inf");
 }
 
+TEST(Check, WindowIsNotNegative) {
+  Problem p = valid();  // kv_len 7
+  for (const std::int64_t window : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, kMax}) {
+    p.window = window;
+    EXPECT_EQ(check(p), "") << window;
+  }
+  p.window = -1;
+  EXPECT_EQ(check(p), "window (-1) must be >= 0 (0: no sliding window)");
+  p.window = std::numeric_limits<std::int64_t>::min();
+  EXPECT_EQ(check(p),
+            "window (" + std::to_string(p.window) + ") must be >= 0 (0: no sliding window)");
+}
+
 TEST(Check, SequenceLengthsAreWithinTheTensors) {
   Problem p = valid();  // batch 2, q_len 5, kv_len 7
   std::vector<std::int64_t> q_lens = {0, 5}, kv_lens = {7, 0};

@@ -31,9 +31,10 @@
 //   overlaps   1 byte: a fake o or lse moved into the sinks, q_lens or kv_lens array (then a
 //              field(): the offset in floats); 1 byte: one of those arrays placed inside the
 //              real o's or lse's buffer (then 1 byte: the offset) (read_extras())
-// The last three sections came last, so that every older seed (zeros there) has no sinks and no
-// per-sequence lengths. A sinks or length array is allocated at exactly its size (q_heads
-// floats, batch int64s) when that is at most kMaxArray elements, else left null.
+//   window     Problem::window (read_window()): 1 byte mode (0: none), then its value
+// The last four sections came last, so that every older seed (zeros there) has no sinks, no
+// per-sequence lengths and no window. A sinks or length array is allocated at exactly its size
+// (q_heads floats, batch int64s) when that is at most kMaxArray elements, else left null.
 #include <mha/attention.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
@@ -317,8 +318,23 @@ std::unique_ptr<i64[]> read_length_array(Bytes& in, i64 batch, i64 most) {
   return lens;
 }
 
-// The input's last sections (see the top): the sinks, the lengths, and where check_call
-// finds those arrays relative to the outputs.
+// Problem::window for a problem of kv_len keys. Mode byte % 4: 0 none; 1 a field(); 2 kv_len
+// - field() (0: the whole length, negative: past it); 3 a byte + 1 (1 to 256 keys).
+i64 read_window(Bytes& in, i64 kv_len) {
+  switch (in.u8() % 4) {
+    case 0:
+      return 0;
+    case 1:
+      return field(in);
+    case 2:
+      return saturate(i128{kv_len} - field(in));
+    default:
+      return i64{in.u8()} + 1;
+  }
+}
+
+// The input's last sections (see the top): the sinks, the lengths, where check_call finds
+// those arrays relative to the outputs, and the window.
 struct Extras {
   std::unique_ptr<float[]> sinks;          // q_heads floats, or null
   std::unique_ptr<i64[]> q_lens, kv_lens;  // batch each, or null
@@ -331,6 +347,7 @@ struct Extras {
   int place_array = 0;
   bool place_in_lse = false;
   std::uint8_t place_offset = 0;
+  i64 window = 0;
 };
 
 Extras read_extras(Bytes& in, const Problem& p) {
@@ -347,6 +364,7 @@ Extras read_extras(Bytes& in, const Problem& p) {
   e.place_array = place & 3;
   e.place_in_lse = (place & 4) != 0;
   if (e.place_array != 0) e.place_offset = in.u8();
+  e.window = read_window(in, p.kv_len);
   return e;
 }
 
@@ -1526,6 +1544,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   p.sinks = extras.sinks.get();
   p.q_lens = extras.q_lens.get();
   p.kv_lens = extras.kv_lens.get();
+  p.window = extras.window;
 
   const std::string message = check(p);
   expect(check(p) == message, "check() is not deterministic");

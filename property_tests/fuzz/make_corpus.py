@@ -205,8 +205,19 @@ def placed(array, in_lse=False, offset=0):  # the array copied inside the real o
     return bytes([(array + 1) | 4 * int(in_lse), offset])
 
 
-def extras(sinks=NO_SINKS, lens=NO_LENGTHS, fake=bytes([0]), place=bytes([0])):
-    return sinks + lens + fake + place
+NO_WINDOW = bytes([0])
+
+
+def window(w):  # read_window()'s mode 1: the window itself
+    return bytes([1]) + field(w)
+
+
+def window_short_by(n):  # mode 2: kv_len - n
+    return bytes([2]) + field(n)
+
+
+def extras(sinks=NO_SINKS, lens=NO_LENGTHS, fake=bytes([0]), place=bytes([0]), win=NO_WINDOW):
+    return sinks + lens + fake + place + win
 
 
 def attention_seeds():
@@ -334,6 +345,26 @@ def attention_seeds():
         problem(2, 4, 4, 3, 3, 6) + run + values(seed=51) + calls(1 | 32, 0) + merge(6, flags=1) +
         extras(sinks_each(-1, 2, 12), lengths(lens_each(2, 4))))
 
+    # Sliding windows: of one key, crossing KV tiles (prefill, and a split decode's chunks), as
+    # long as the keys (no window), huge, with sinks and ragged lengths, every kernel.
+    s["window-one-key"] = (problem(1, 6, 6, 2, 2, 8, causal=True) + run + values(seed=60) +
+                           calls(ALL_CALLS, 9, 1) + extras(win=window(1)))
+    s["window-prefill-tiles"] = (problem(1, 140, 300, 1, 1, 8, causal=True) + run +
+                                 values(seed=61) + calls(ALL_CALLS, 1) + extras(win=window(129)))
+    s["window-decode-split-kv"] = (problem(1, 1, 1500, 4, 1, 8) + run + values(seed=62) +
+                                   calls(ALL_CALLS, 9, 1) + extras(win=window(600)))
+    s["window-all-keys"] = (problem(1, 5, 9, 2, 2, 4, causal=True) + run + values(seed=63) +
+                            calls(ALL_CALLS, 1) + extras(win=window_short_by(0)))
+    s["window-huge"] = (problem(2, 3, 7, 2, 1, 4) + run + values(seed=64) + calls(ALL_CALLS, 1) +
+                        extras(win=window(INT64_MAX)))
+    s["window-sinks-ragged-every-kernel"] = (
+        problem(3, 9, 40, 4, 2, 8, causal=True) + run + values(seed=65) +
+        calls(1 | EVERY_KERNEL, 0, 1) + extras(sinks_each(1, "-inf", -2, 0.5),
+                                               lengths(lens_each(9, 2, 0), lens_each(40, 5, 31)),
+                                               win=window(7)))
+    s["window-nan-inf-inputs"] = (problem(1, 5, 30, 2, 1, 8, causal=True) + run +
+                                  values(2, seed=66) + calls(ALL_CALLS, 1) + extras(win=window(4)))
+
     # check() rejections, one rule each.
     small = dict(b=1, lq=2, lk=3, h=2, hkv=1, d=4)
 
@@ -372,6 +403,9 @@ def attention_seeds():
         lens=lengths(kv=lens_short_by(0, -1)))
     s["reject-scale-before-sinks"] = bad(scale=scale_special(4)) + NO_RUN + extras(
         sinks_all("nan"))
+    s["reject-window-negative"] = bad() + NO_RUN + extras(win=window(-1))
+    s["reject-window-huge-negative"] = bad() + NO_RUN + extras(win=window_short_by(INT64_MAX))
+    s["reject-window-before-sinks"] = bad() + NO_RUN + extras(sinks_all("nan"), win=window(-3))
     # check_call on fake addresses, and on real buffers: nulls and overlaps.
     ok = problem(**small)
     s["call-null-q"] = ok + NULL + OWN * 4
