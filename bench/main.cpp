@@ -2,11 +2,11 @@
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
 // Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>
-// [/kv:<f16|bf16|i8>][/sinks:1]/threads:<n>. /sinks:1: with attention sinks (Problem::sinks,
-// sink_logits below). Family ragged: a decode step of B sequences whose caches
-// hold different numbers of keys (Problem::kv_lens, ragged_lengths below), Lk their capacity.
-// Counters: GFLOPS, peak_frac; decode also GBps, kv_bytes, bw_frac; a reduced KV type also
-// kv_err_max, kv_err_rms (docs/benchmarks.md).
+// [/kv:<f16|bf16|i8>][/sinks:1][/window:<w>]/threads:<n>. /sinks:1: with attention sinks
+// (Problem::sinks, sink_logits below); /window:<w>: a sliding window of w keys (Problem::window).
+// Family ragged: a decode step of B sequences whose caches hold different numbers of keys
+// (Problem::kv_lens, ragged_lengths below), Lk their capacity. Counters: GFLOPS, peak_frac; decode
+// also GBps, kv_bytes, bw_frac; a reduced KV type also kv_err_max, kv_err_rms (docs/benchmarks.md).
 #include <benchmark/benchmark.h>
 #include <mha/attention.h>
 #include <mha/kv_types.h>
@@ -96,6 +96,7 @@ struct Shape {
   std::string caches = "";  // cliffs: the cache configuration's name (cliff_configs)
   KvType kv = KvType::f32;  // K and V as stored: "/kv:<type>" in the name unless f32
   bool sinks = false;       // attention sinks (Problem::sinks): "/sinks:1" in the name
+  std::int64_t window = 0;  // a sliding window (Problem::window): "/window:<w>" unless 0
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
@@ -103,7 +104,9 @@ struct Shape {
        << "/H:" << heads << "/Hkv:" << kv_heads << "/Lq:" << q_len << "/Lk:" << kv_len
        << "/D:" << dim << "/causal:" << causal
        << (kv == KvType::f32 ? "" : std::string("/kv:") + kv_type_name(kv))
-       << (sinks ? "/sinks:1" : "") << "/threads:" << threads;
+       << (sinks ? "/sinks:1" : "")
+       << (window > 0 ? "/window:" + std::to_string(window) : std::string())
+       << "/threads:" << threads;
     return os.str();
   }
   // One query row per query head: a KV cache, head-major.
@@ -153,6 +156,8 @@ std::vector<Shape> shapes(Size size, int cores) {
     add("heads", 2, 2, 128, 128, 64, false);
     out.push_back({"ragged", 4, 4, 2, 1, 512, 64, true, 1});
     out.push_back({"prefill", 1, 4, 2, 128, 128, 64, true, 1, "", KvType::f32, true});
+    out.push_back({"prefill", 1, 4, 2, 256, 256, 64, true, 1, "", KvType::f32, false, 64});
+    out.push_back({"decode", 1, 4, 2, 1, 512, 64, true, 1, "", KvType::f32, false, 128});
     for (KvType kv : kReduced) {
       add("decode", 4, 2, 1, 512, 64, true, kv);
       add("prefill", 4, 2, 128, 128, 64, true, kv);
@@ -171,6 +176,17 @@ std::vector<Shape> shapes(Size size, int cores) {
   for (int threads : {1, cores}) {
     if (threads > 1 && cores == 1) break;
     out.push_back({"prefill", 1, 32, 8, 2048, 2048, 128, true, threads, "", KvType::f32, true});
+  }
+  // Sliding windows (Mistral, Gemma's local layers, gpt-oss): a long causal prefill with a
+  // window of 1024 and a decode step over a 32768-key cache with a window of 4096, each beside
+  // the same without (the decode's is among the caches below).
+  for (int threads : {1, cores}) {
+    if (threads > 1 && cores == 1) break;
+    for (std::int64_t window : {std::int64_t{0}, std::int64_t{1024}}) {
+      out.push_back(
+          {"prefill", 1, 32, 8, 8192, 8192, 128, true, threads, "", KvType::f32, false, window});
+    }
+    out.push_back({"decode", 1, 32, 8, 1, 32768, 128, true, threads, "", KvType::f32, false, 4096});
   }
   if (full) add("prefill", 32, 8, 2048, 2048, 64, false);
   // Decode: one query against a KV cache.
@@ -210,7 +226,7 @@ std::vector<Shape> shapes(Size size, int cores) {
         s.family == "decode" && (full || (s.heads == 32 && s.kv_heads == 8) || s.heads == 8);
     const bool prefill = s.family == "prefill" && s.heads == 32 && s.kv_heads == 8 &&
                          s.dim == 128 && (full || (s.q_len == 2048 && !s.causal));
-    if (!decode && !prefill) continue;
+    if ((!decode && !prefill) || s.window > 0) continue;
     for (KvType kv : kReduced) {
       reduced.push_back(s);
       reduced.back().kv = kv;
@@ -384,10 +400,14 @@ struct Workspace {
 };
 
 // The bytes of K and V a call reads: their elements in the stored type, and i8's scales (each
-// sequence's own keys: Problem::kv_lens).
+// sequence's own keys, Problem::kv_lens, from its first row's first key, Problem::window, to
+// its last row's last).
 std::int64_t kv_bytes(const Problem& p) {
   std::int64_t rows = 0;
-  for (std::int64_t b = 0; b < p.batch; ++b) rows += p.kv_heads * kv_len_of(p, b);
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const Problem s = sequence(p, b);
+    if (s.q_len > 0) rows += p.kv_heads * (visible_keys(s, s.q_len - 1) - first_key(s, 0));
+  }
   const std::int64_t scales = p.kv_type == KvType::i8 ? 4 : 0;
   return 2 * rows * (p.head_dim * static_cast<std::int64_t>(kv_type_bytes(p.kv_type)) + scales);
 }
@@ -440,6 +460,7 @@ Problem workspace_problem(const Shape& s) {
     p.k_scale = p.v_scale = dense_strides(Layout::head_major, s.kv_len, s.kv_heads, 1);
   }
   if (s.family == "ragged") p.kv_lens = ragged_lengths(s.batch, s.kv_len).data();
+  p.window = s.window;
   if (s.sinks) {
     Shape key = s;
     key.caches.clear();
@@ -622,13 +643,12 @@ void quantization_error(Workspace& w) {
 }
 
 // FLOPs as DESIGN.md (section 8) defines them: 4 D per visible query-key pair, over all B H heads
-// (each sequence's own pairs: Problem::q_lens, kv_lens).
+// (each sequence's own pairs: Problem::q_lens, kv_lens; within a window: Problem::window).
 double flops(const Problem& p) {
   double pairs = 0.0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t i = 0; i < q_len_of(p, b); ++i) {
-      pairs += static_cast<double>(visible_keys(p, b, i));
-    }
+    const Problem s = sequence(p, b);
+    for (std::int64_t i = 0; i < s.q_len; ++i) pairs += static_cast<double>(keys_seen(s, i));
   }
   return 4.0 * static_cast<double>(p.head_dim) * pairs * static_cast<double>(p.q_heads);
 }
@@ -1283,11 +1303,14 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // An untiled kernel streams its head's K and V once per query row: beyond 2048 rows
         // a run would take minutes.
         if (!impl.tiled && s.q_len > 2048) continue;
+        // Nor the scalar tiled one (blocked), whose causal prefill of 8192 rows takes half a
+        // minute a call on one core.
+        if (impl.isa == "scalar" && s.q_len > 2048) continue;
         if ((impl.kv_types & kv_bit(s.kv)) == 0) continue;  // a KV type it does not read
         // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
         if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
-        if ((s.family == "ragged" || s.sinks) && !impl.variants) continue;
+        if ((s.family == "ragged" || s.sinks || s.window > 0) && !impl.variants) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),
             [impl, s, shape, index, shape_count, &probe](benchmark::State& st) {

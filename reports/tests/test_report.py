@@ -54,6 +54,11 @@ def test_the_name_grammar() -> None:
     assert m and m["impl"] == "peer-ort-gqa" and m["kv_len"] == "32768" and m["threads"] == "2"
     assert res.NAME.match("prefill/avx2/B:1/H:32/Hkv:8/Lq:2048/Lk:2048/D:128/causal:0/threads:1")
     assert res.NAME.match("BM_something/8") is None
+    shape, impl = res.parse_name("decode/avx512/B:1/H:32/Hkv:8/Lq:1/Lk:32768/D:128/causal:1/"
+                                 "sinks:1/window:4096/threads:2/real_time")
+    assert impl == "avx512" and shape.sinks and shape.window == 4096 and shape.threads == 2
+    assert shape.name("x").endswith("/causal:1/sinks:1/window:4096/threads:2")
+    assert "window 4096" in shape.label() and shape.kv_bytes() == 2 * 8 * 4096 * 128 * 4
 
 
 def test_aggregates_are_skipped_and_errors_kept(raw: dict) -> None:

@@ -53,10 +53,12 @@ class Peer(Framework):
     # The KV types (Problem.kv_type) the peer's form reads; a peer is absent from the rows of
     # the others.
     kv_types: tuple[str, ...] = ("f32",)
-    # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys) and
-    # attention sinks (Problem.sinks).
+    # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys),
+    # attention sinks (Problem.sinks) and a sliding window that cuts some row's keys
+    # (Problem.window; one every row shares comes sliced off by the server: Problem.sliced).
     ragged = False
     sinks = False
+    window = False
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.kv_type not in self.kv_types:
@@ -65,6 +67,8 @@ class Peer(Framework):
             return f"sequences of their own lengths: {self.name} takes no per-sequence lengths"
         if p.sinks is not None and not self.sinks:
             return f"attention sinks: {self.name} takes none"
+        if 0 < p.window < p.kv_len and not self.window:
+            return f"a sliding window: {self.name} takes none"
         return p.why_unsupported()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -126,13 +130,15 @@ class TorchSdpa(Peer):
 
     how = (
         "layout: [B, H, L, D] views, no copy; GQA: enable_gqa; mask: is_causal (Lq = Lk), "
-        "else boolean (ragged batches: [B, 1, Lq, Lk], padding masked); f16/bf16 K, V in "
-        "place, q in their type, output in it; fused path: PyTorch picks (not checked)")
+        "else boolean (ragged batches: [B, 1, Lq, Lk], padding masked; sliding windows: "
+        "[Lq, Lk]); f16/bf16 K, V in place, q in their type, output in it; fused path: "
+        "PyTorch picks (not checked)")
 
     name = "peer-torch-sdpa"
     package = "torch"
     kv_types = ("f32", "f16", "bf16")
     ragged = True
+    window = True
 
     def load(self) -> None:
         self.torch = load_torch()
@@ -253,14 +259,15 @@ class OrtAttention(_Ort):
     """ONNX's Attention operator (opset 23) in ONNX Runtime's CPU provider: 3D token-major
     inputs [B, L, H*D] for prefill, 4D head-major [B, H, L, D] when the KV cache is
     head-major (decode); q_num_heads/kv_num_heads for GQA; is_causal (top-left) when
-    q_len == kv_len, a boolean mask for bottom-right causal otherwise."""
+    q_len == kv_len, a boolean mask for bottom-right causal or a sliding window otherwise."""
 
     how = (
         "ONNX Attention (opset 23): 3D token-major (prefill) or 4D head-major (decode); mask:"
-        " is_causal (Lq = Lk), else boolean; fused path: none in the CPU provider (GEMM, "
-        "softmax, GEMM)")
+        " is_causal (Lq = Lk), else boolean (bottom-right causal, sliding windows); fused "
+        "path: none in the CPU provider (GEMM, softmax, GEMM)")
 
     name = "peer-ort-attention"
+    window = True
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         four_d = is_head_major(t.k[0]) or is_head_major(t.v[0])
@@ -352,16 +359,18 @@ class OrtGqa(_Ort):
     they came from, so the cache is unchanged. A ragged decode batch (kv_lens) is its native
     form: seqlens_k[b] = kv_lens[b] - 1 per sequence, the new token of sequence b its row
     kv_lens[b] - 1, total_sequence_length the cache's capacity. Attention sinks through its
-    head_sink input (ONNX Runtime 1.22 and later)."""
+    head_sink input (ONNX Runtime 1.22 and later); a sliding window of w keys through
+    local_window_size = w (so in 1.32: w - 1 and w + 1 fail the peer test)."""
 
     how = (
         "com.microsoft GroupQueryAttention, fused, always causal; decode through its shared "
         "past/present KV buffer; ragged decode batches through seqlens_k; sinks through "
-        "head_sink")
+        "head_sink; sliding windows through local_window_size")
 
     name = "peer-ort-gqa"
     ragged = True
     sinks = True
+    window = True
 
     def why_unsupported(self, p: Problem) -> str | None:
         if not p.causal:
@@ -416,9 +425,11 @@ class OrtGqa(_Ort):
             types.append(TensorProto.FLOAT)
             shapes.append([p.q_heads])
             feeds.append([self.value(np.array(p.sinks, dtype=np.float32))])
+        window = dict(local_window_size=p.window) if 0 < p.window < p.kv_len else {}
         node = helper.make_node(
             "GroupQueryAttention", inputs, ["O", "present_key", "present_value"],
-            domain="com.microsoft", num_heads=p.q_heads, kv_num_heads=hkv, scale=p.scale)
+            domain="com.microsoft", num_heads=p.q_heads, kv_num_heads=hkv, scale=p.scale,
+            **window)
         graph = helper.make_graph(
             [node], "gqa",
             [helper.make_tensor_value_info(n, ty, s) for n, ty, s in zip(names, types, shapes)],
@@ -451,17 +462,18 @@ class OpenVinoSdpa(Peer):
     """OpenVINO's opset13 ScaledDotProductAttention on its CPU plugin, f32 precision hint:
     Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D] (broadcast over the g query heads
     of a group), the reshapes and transposes from the tensors' layouts inside the model,
-    causal (top-left) when q_len == kv_len, a boolean mask otherwise (a ragged batch's:
-    [B, 1, 1, Lq, Lk])."""
+    causal (top-left) when q_len == kv_len, a boolean mask otherwise (bottom-right causal, a
+    sliding window; a ragged batch's: [B, 1, 1, Lq, Lk])."""
 
     how = (
         "opset13 SDPA, plain model: Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D]; "
-        "mask: causal (Lq = Lk), else boolean (ragged batches: per sequence); fused path: no "
-        "(decomposed or a Snippets subgraph)")
+        "mask: causal (Lq = Lk), else boolean (sliding windows; ragged batches: per "
+        "sequence); fused path: no (decomposed or a Snippets subgraph)")
 
     name = "peer-openvino-sdpa"
     package = "openvino"
     ragged = True
+    window = True
 
     def load(self) -> None:
         import openvino
@@ -553,6 +565,7 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     kv_types = ("f32", "f16", "bf16", "i8")
     CACHE_PRECISION = {"f32": "f32", "f16": "f16", "bf16": "bf16", "i8": "u8"}
     ragged = False  # one state shared by the batch: no per-sequence lengths
+    window = False  # its fused node takes no mask
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.q_len != 1 and p.q_len != p.kv_len:

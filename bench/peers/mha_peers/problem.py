@@ -5,14 +5,15 @@ element strides ``(batch, seq, head)`` for q, k, v and o, the head_dim axis cont
 causal masking aligned bottom-right (query ``i`` sees keys ``j <= i + kv_len - q_len``). A
 ragged batch (``kv_lens``) gives each sequence ``b`` its own first ``kv_lens[b]`` keys, the
 causal rule bottom-right on that length; ``kv_len`` is the tensors' capacity. Attention sinks
-(``sinks``, one logit per query head) join each head's softmax denominator only.
+(``sinks``, one logit per query head) join each head's softmax denominator only. A sliding
+window (``window``, 0 none) keeps the ``window`` most recent of the keys a row sees.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -57,6 +58,8 @@ class Problem:
     kv_lens: tuple[int, ...] | None = None
     # Attention sinks: one logit per query head (mha::Problem::sinks), or None.
     sinks: tuple[float, ...] | None = None
+    # A sliding window: the most keys a row sees (mha::Problem::window), 0 for none.
+    window: int = 0
 
     @property
     def group(self) -> int:
@@ -67,6 +70,8 @@ class Problem:
     def mask(self) -> Mask:
         if self.kv_lens is not None:
             return Mask.RAGGED
+        if 0 < self.window < self.kv_len:
+            return Mask.EXPLICIT  # the window cuts some row's keys
         if not self.causal or self.q_len == 1:
             return Mask.NONE  # a single query row sees the whole cache, bottom-right
         if self.q_len == self.kv_len:
@@ -81,23 +86,38 @@ class Problem:
 
     def visible(self) -> np.ndarray:
         """[q_len, kv_len] booleans: True where query row i sees key j."""
+        return self.visible_of(self.kv_len)
+
+    def visible_of(self, keys: int) -> np.ndarray:
+        """[q_len, kv_len] booleans for a sequence of `keys` keys: key j < keys, bottom-right
+        causal on that length, within the window's most recent."""
         rows = np.arange(self.q_len)[:, None]
         cols = np.arange(self.kv_len)[None, :]
-        if not self.causal:
-            return np.ones((self.q_len, self.kv_len), dtype=bool)
-        return cols <= rows + (self.kv_len - self.q_len)
+        end = np.minimum(rows + 1 + (keys - self.q_len), keys) if self.causal else keys
+        first = end - self.window if self.window > 0 else 0
+        return (cols < end) & (cols >= first)
 
     def sequences_visible(self) -> np.ndarray:
         """[batch, 1, q_len, kv_len] booleans: True where query row i of sequence b sees key
-        j (its own kv_lens[b] keys, bottom-right causal on them); kv_lens None: every
-        sequence alike."""
-        rows = np.arange(self.q_len)[:, None]
-        cols = np.arange(self.kv_len)[None, :]
+        j (its own kv_lens[b] keys, bottom-right causal on them, within the window); kv_lens
+        None: every sequence alike."""
         lens = self.kv_lens if self.kv_lens is not None else (self.kv_len,) * self.batch
         out = np.empty((self.batch, 1, self.q_len, self.kv_len), dtype=bool)
         for b, n in enumerate(lens):
-            out[b, 0] = (cols < n) & ((cols <= rows + (n - self.q_len)) if self.causal else True)
+            out[b, 0] = self.visible_of(n)
         return out
+
+    @property
+    def window_start(self) -> int | None:
+        """The first key of a window every row shares, when it cuts the keys: one query row
+        (or none causal) and no per-sequence lengths. Such a problem is the one over keys
+        [window_start, kv_len) without a window (Tensors.sliced), which is how a user calls a
+        framework for it: with no mask and only the window's keys read."""
+        if not 0 < self.window < self.kv_len or self.kv_lens is not None:
+            return None
+        if self.causal and self.q_len > 1:
+            return None
+        return self.kv_len - self.window
 
     def why_unsupported(self) -> str | None:
         """Why no framework can compute this problem as the project defines it, or None."""
@@ -139,7 +159,16 @@ class Problem:
                      if "kv_lens" in fields else None),
             sinks=(tuple(float(x) for x in fields["sinks"].split(","))
                    if "sinks" in fields else None),
+            window=int(fields.get("window", "0")),
         )
+
+    def sliced(self) -> "Problem":
+        """A problem whose window every row shares (window_start) as the problem over the
+        window's keys alone, without a window."""
+        start = self.window_start
+        if start is None:
+            return self
+        return replace(self, kv_len=self.kv_len - start, window=0)
 
 
 def dense_token_major(length: int, heads: int, dim: int) -> Strides:
@@ -239,6 +268,16 @@ class Tensors:
     @property
     def copies(self) -> int:
         return len(self.k)
+
+    def sliced(self, p: Problem) -> "Tensors":
+        """The tensors of p.sliced(): K and V (and i8's scales) from key p.window_start on,
+        views of the same memory."""
+        start = p.window_start
+        if start is None:
+            return self
+        return replace(self, k=[x[:, start:] for x in self.k], v=[x[:, start:] for x in self.v],
+                       k_scale=[x[:, start:] for x in self.k_scale],
+                       v_scale=[x[:, start:] for x in self.v_scale])
 
 
 def as_token_major(x: np.ndarray) -> np.ndarray:

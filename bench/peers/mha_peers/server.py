@@ -82,7 +82,7 @@ class Server:
         if why is not None:
             return why
         if isinstance(peer, Peer):
-            return peer.why_unsupported(Problem.parse(fields))
+            return peer.why_unsupported(Problem.parse(fields).sliced())
         if isinstance(peer, GemmPeer):
             return peer.why_unsupported(Gemm.parse(fields))
         if isinstance(peer, LayerPeer):
@@ -108,6 +108,9 @@ class Server:
             t = Tensors.from_buffers(p, buffers["q"], buffers["k"], buffers["v"],
                                      buffers["o"][0], buffers.get("k_scale"),
                                      buffers.get("v_scale"))
+            # A window every row shares: the problem over its keys alone, as a user calls a
+            # framework for it (Problem.window_start).
+            p, t = p.sliced(), t.sliced(p)
             call = peer.prepare(p, t, threads)
             write, copies = partial(peer.write_output, p, t), t.copies
         elif isinstance(peer, GemmPeer):

@@ -29,7 +29,7 @@ from mha_peers.server import Server, serve
 def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int,
                  causal: bool, kv_head_major: bool = False, pad: int = 0,
                  kv_lens: tuple[int, ...] | None = None,
-                 sinks: tuple[float, ...] | None = None) -> Problem:
+                 sinks: tuple[float, ...] | None = None, window: int = 0) -> Problem:
     """Token-major q and o; k and v token- or head-major; `pad` floats after every row."""
     def strides(length: int, h: int, head_major: bool) -> tuple[int, int, int]:
         row = dim + pad
@@ -40,7 +40,7 @@ def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
     return Problem(batch, q_len, kv_len, heads, kv_heads, dim, causal, 1 / math.sqrt(dim),
                    strides(q_len, heads, False), strides(kv_len, kv_heads, kv_head_major),
                    strides(kv_len, kv_heads, kv_head_major), strides(q_len, heads, False),
-                   kv_lens=kv_lens, sinks=sinks)
+                   kv_lens=kv_lens, sinks=sinks, window=window)
 
 
 def extent(p: Problem, length: int, heads: int, strides: tuple[int, int, int]) -> int:
@@ -100,6 +100,19 @@ CASES = {
                                  causal=True, sinks=(3.0, 0.5, -2.0, 1.5)),
     "decode-sinks": dict(batch=1, q_len=1, kv_len=200, heads=4, kv_heads=1, dim=32,
                          causal=True, kv_head_major=True, sinks=(5.0, 5.3, 2.0, -4.0)),
+    # Sliding windows (Problem.window): a causal prefill's rows each their own window, with
+    # a cache before them too, without causal masking, and a decode step's shared window
+    # (sliced off by the server: Problem.sliced).
+    "prefill-causal-window": dict(batch=2, q_len=30, kv_len=30, heads=4, kv_heads=2, dim=32,
+                                  causal=True, window=7),
+    "prefill-past-window": dict(batch=1, q_len=10, kv_len=40, heads=4, kv_heads=1, dim=16,
+                                causal=True, window=12),
+    "prefill-window-not-causal": dict(batch=1, q_len=9, kv_len=20, heads=2, kv_heads=2,
+                                      dim=16, causal=False, window=5),
+    "decode-window": dict(batch=2, q_len=1, kv_len=200, heads=8, kv_heads=2, dim=32,
+                          causal=True, kv_head_major=True, window=50),
+    "ragged-window": dict(batch=2, q_len=1, kv_len=60, heads=4, kv_heads=2, dim=16,
+                          causal=True, kv_head_major=True, kv_lens=(60, 25), window=30),
 }
 
 
@@ -117,7 +130,8 @@ def loaded(cls: type[Framework]) -> Framework:
 def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     peer = loaded(cls)
     assert isinstance(peer, Peer)
-    p = make_problem(**CASES[case])
+    whole = make_problem(**CASES[case])
+    p = whole.sliced()  # as the server calls a peer: a window every row shares sliced off
     why = peer.why_unsupported(p)
     if why is not None:
         # The peers that decline: ORT's GQA operator (causal only), the grouped forms
@@ -126,15 +140,17 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
         # beyond decode steps.
         assert ((cls.name == "peer-ort-gqa" and not p.causal)
                 or (cls.name.endswith("-grouped") and not p.grouped_decode)
-                or (cls is OpenVinoSdpaKvCache and 1 < p.q_len < p.kv_len)
+                or (cls is OpenVinoSdpaKvCache and p.q_len not in (1, p.kv_len))
                 or (p.kv_lens is not None and not cls.ragged)
                 or (p.sinks is not None and not cls.sinks)
+                or (0 < p.window < p.kv_len and not cls.window)
                 or (cls.name == "peer-ort-gqa" and p.kv_lens is not None and p.q_len != 1))
         pytest.skip(why)
     rng = np.random.default_rng(7)
-    q, k, v, o = buffers(p, rng, copies=2)
+    q, k, v, o = buffers(whole, rng, copies=2)
     inputs = [x.copy() for x in q + k + v]
-    t = Tensors.from_buffers(p, q, k, v, o)
+    t = Tensors.from_buffers(whole, q, k, v, o)
+    t_whole, t = t, t.sliced(whole)
     call = peer.prepare(p, t, threads=1)
     # The last call, on copy 0, is the one written out; OpenVINO's KV-cache decode appends
     # its key to the cache at every call, as a generation step does: one call.
@@ -145,7 +161,7 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
     # Inputs are read only (ORT's GQA writes each new key back to the cache row it came from).
     assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(inputs, q + k + v)), (
         f"{peer.name} on {case} changed its inputs")
-    want = attention(p, t.q[0], t.k[0], t.v[0])
+    want = attention(whole, t_whole.q[0], t_whole.k[0], t_whole.v[0])
     err = np.abs(t.o - want).max()
     assert err <= error_bound(p), f"{peer.name} on {case}: max |error| {err:.3g}"
 
