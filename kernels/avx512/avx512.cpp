@@ -91,9 +91,9 @@
 //
 // Workspace (the caller's; mha_f32_attention_avx512_workspace gives its size), in floats
 // (R' = R rounded up to 32; ldkv = D rounded up to 16, plus 16): D x R' (Q^T) + 32 Bc (S^T)
-// + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K and V copies), and R' int32 counts: about
-// 690 KiB at D = 128, R = 512 (430 KiB at R = 256). Decode needs g x q_len
-// x D16 floats and a tile of weights.
+// + D x R' (O^T) + 3 R' + 2 Bc x ldkv (the K and V copies), and each row's keys (2 R' int32
+// of the tile, 2 R' int64 of the KV head): about 690 KiB at D = 128, R = 512 (430 KiB at
+// R = 256). Decode needs g x q_len x D16 floats and a tile of weights.
 //
 // Floating-point environment: the default one for the call (mha::FpEnvGuard, mha/attention.h),
 // so the caller's flush-to-zero, denormals-are-zero or rounding mode changes no bit of the
@@ -1031,6 +1031,8 @@ struct Scratch {
   float* v_tile;        // [Bc][ldkv]: the V tile's rows
   std::int32_t* first;  // [R']: the keys of this tile each row sees, [first, end)
   std::int32_t* end;
+  std::int64_t* row_first;  // [R']: the keys of the whole KV head each row sees
+  std::int64_t* row_end;
 };
 
 Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
@@ -1048,6 +1050,8 @@ Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
   s.v_tile = carve.take<float>(tiling.keys * s.ldkv);
   s.first = carve.take<std::int32_t>(block_rows);
   s.end = carve.take<std::int32_t>(block_rows);
+  s.row_first = carve.take<std::int64_t>(block_rows);
+  s.row_end = carve.take<std::int64_t>(block_rows);
   return s;
 }
 
@@ -1299,6 +1303,12 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
              seq % (1024 / std::int64_t{sizeof(float)}) == 0;  // no overflow
     };
     const bool copy_k = copied(p.k.seq), copy_v = copied(p.v.seq);
+    // Each row's keys, once per block (padding rows see none): a tile's are these clamped.
+    for (std::int64_t t = 0; t < padded; ++t) {
+      const bool row = t < block.rows;
+      s.row_first[t] = row ? mha::first_key(p, block.row(t)) : 0;
+      s.row_end[t] = row ? mha::visible_keys(p, block.row(t)) : 0;
+    }
 
     for (std::int64_t c0 = block_first; c0 < block_keys; c0 += bc) {
       const std::int64_t tile_keys = std::min(bc, block_keys - c0);
@@ -1317,15 +1327,12 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
       };
       const Tile tile{c0, tile_keys, tile_rows(k_view, p.k.seq, p.k_scale.seq, copy_k, s.k_tile),
                       tile_rows(v_view, p.v.seq, p.v_scale.seq, copy_v, s.v_tile)};
-      for (std::int64_t t = 0; t < padded; ++t) {  // padding rows see no key
-        std::int64_t first = 0, end = 0;
-        if (t < block.rows) {
-          first = block.tile_first_seen(p, t, c0, tile_keys);
-          end = block.tile_keys_seen(p, t, c0, tile_keys);
-          if (first == end) first = end = 0;  // none of the tile
-        }
-        s.first[t] = static_cast<std::int32_t>(first);
-        s.end[t] = static_cast<std::int32_t>(end);
+      for (std::int64_t t = 0; t < padded; ++t) {  // Block::tile_first_seen, tile_keys_seen
+        const std::int64_t first = std::clamp(s.row_first[t] - c0, std::int64_t{0}, tile_keys);
+        const std::int64_t end = std::clamp(s.row_end[t] - c0, std::int64_t{0}, tile_keys);
+        const bool none = first == end;  // of the tile: both 0
+        s.first[t] = static_cast<std::int32_t>(none ? 0 : first);
+        s.end[t] = static_cast<std::int32_t>(none ? 0 : end);
       }
       for (std::int64_t s0 = 0; s0 < padded; s0 += kStrip) {
         Strip strip{s0, std::min(kStrip, padded - s0), tile_keys, 0, 0, tile_keys};

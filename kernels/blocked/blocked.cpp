@@ -42,7 +42,8 @@
 //
 // Workspace (the caller's; mha_f32_attention_blocked_workspace gives its size), in floats:
 // Bc x head_dim (K^T tile) + R x Bc (scores) + R x head_dim (accumulators) + 2 R (m, l),
-// + Bc x head_dim (the widened K or V tile) when kv_type is not f32,
+// + Bc x head_dim (the widened K or V tile) when kv_type is not f32, and 2 R int64s (each
+// row's keys of the tile),
 // with R = g x Br block rows. For D = 128 and g = 4 that is 32 + 16 + 32 KiB; it depends on
 // head_dim and g, never on q_len or kv_len beyond Bc and Br.
 //
@@ -187,11 +188,13 @@ void finish_row(const float* acc, float m, float l, float sink, std::int64_t vis
 
 // The kernel's arrays in the caller's workspace, sized for the largest block.
 struct Scratch {
-  float* kt;    // [head_dim][Bc]: the K^T tile
-  float* s;     // [R][Bc]: the block's logits, then its weights
-  float* acc;   // [R][head_dim]: the block's O accumulators
-  float* m;     // [R]: running maxima
-  float* l;     // [R]: running sums
+  float* kt;            // [head_dim][Bc]: the K^T tile
+  float* s;             // [R][Bc]: the block's logits, then its weights
+  float* acc;           // [R][head_dim]: the block's O accumulators
+  float* m;             // [R]: running maxima
+  float* l;             // [R]: running sums
+  std::int64_t* first;  // [R]: the keys of this tile each row sees: [first, first + count)
+  std::int64_t* count;
   float* wide;  // [Bc][head_dim]: a K or V tile widened to fp32 (kv_type not f32; else null)
 };
 
@@ -203,6 +206,8 @@ Scratch carve(const mha::Problem& p, const Tiling& tiling, Carve& carve) {
   s.acc = carve.take<float>(rows * p.head_dim);
   s.m = carve.take<float>(rows);
   s.l = carve.take<float>(rows);
+  s.first = carve.take<std::int64_t>(rows);
+  s.count = carve.take<std::int64_t>(rows);
   s.wide = p.kv_type == mha::KvType::f32 ? nullptr : carve.take<float>(tiling.keys * p.head_dim);
   return s;
 }
@@ -221,40 +226,35 @@ struct Tile {
 };
 
 // S = scale Q K^T for every block row over the keys of the tile it sees (K^T in s.kt).
-// The keys of the tile block row t sees: [first, first + count).
-struct Seen {
-  std::int64_t first, count;
-};
-Seen seen(const mha::Problem& p, const Block& block, const Tile& tile, std::int64_t t) {
-  const std::int64_t first = block.tile_first_seen(p, t, tile.c0, tile.keys);
-  return {first, block.tile_keys_seen(p, t, tile.c0, tile.keys) - first};
+// The keys of the tile each block row sees, into s.first and s.count.
+void tile_keys(const mha::Problem& p, const Block& block, const Tile& tile, const Scratch& s) {
+  for (std::int64_t t = 0; t < block.rows; ++t) {
+    s.first[t] = block.tile_first_seen(p, t, tile.c0, tile.keys);
+    s.count[t] = block.tile_keys_seen(p, t, tile.c0, tile.keys) - s.first[t];
+  }
 }
 
-void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
-                 std::int64_t bc, const Scratch& s) {
+void tile_logits(const mha::Problem& p, const Block& block, const float* q, std::int64_t bc,
+                 const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    const Seen keys = seen(p, block, tile, t);
-    logits(block.q_row(p, q, t), s.kt + keys.first, bc, p.head_dim, keys.count, p.scale,
-           s.s + t * bc + keys.first);
+    logits(block.q_row(p, q, t), s.kt + s.first[t], bc, p.head_dim, s.count[t], p.scale,
+           s.s + t * bc + s.first[t]);
   }
 }
 
 // The online-softmax step of every block row: S becomes the weights P.
-void tile_softmax(const mha::Problem& p, const Block& block, const Tile& tile, std::int64_t bc,
-                  const Scratch& s) {
+void tile_softmax(const mha::Problem& p, const Block& block, std::int64_t bc, const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    const Seen keys = seen(p, block, tile, t);
-    online_softmax(s.s + t * bc + keys.first, keys.count, s.m + t, s.l + t, s.acc + t * p.head_dim,
+    online_softmax(s.s + t * bc + s.first[t], s.count[t], s.m + t, s.l + t, s.acc + t * p.head_dim,
                    p.head_dim);
   }
 }
 
 // O += P V for every block row; v_tile: the tile's first V row, rows v_seq apart.
-void tile_pv(const mha::Problem& p, const Block& block, const Tile& tile, const float* v_tile,
-             std::int64_t v_seq, std::int64_t bc, const Scratch& s) {
+void tile_pv(const mha::Problem& p, const Block& block, const float* v_tile, std::int64_t v_seq,
+             std::int64_t bc, const Scratch& s) {
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    const Seen keys = seen(p, block, tile, t);
-    accumulate_pv(s.s + t * bc + keys.first, keys.count, v_tile + keys.first * v_seq, v_seq,
+    accumulate_pv(s.s + t * bc + s.first[t], s.count[t], v_tile + s.first[t] * v_seq, v_seq,
                   p.head_dim, s.acc + t * p.head_dim);
   }
 }
@@ -309,10 +309,11 @@ void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvVie
       std::int64_t seq = 0;
       const float* k_tile = tile_rows(k, p.k, p.k_scale, c0, tile.keys, &seq);
       pack_k_transposed(k_tile, seq, tile.keys, p.head_dim, s.kt, bc);
-      tile_logits(p, block, tile, q, bc, s);
-      tile_softmax(p, block, tile, bc, s);
+      tile_keys(p, block, tile, s);
+      tile_logits(p, block, q, bc, s);
+      tile_softmax(p, block, bc, s);
       const float* v_tile = tile_rows(v, p.v, p.v_scale, c0, tile.keys, &seq);
-      tile_pv(p, block, tile, v_tile, seq, bc, s);
+      tile_pv(p, block, v_tile, seq, bc, s);
     }
     finish_block(p, block, s, o, lse);
   });

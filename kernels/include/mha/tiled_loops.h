@@ -196,19 +196,21 @@ struct Loops {
   // = R rounded up to MR, the rows of the microkernels' arrays, R where groups may be
   // partial; each array starts on 64 bytes).
   struct Scratch {
-    std::int64_t dim_p;   // head_dim rounded up to P: O's row stride, V panels x P
-    float* kp;            // [Bc / P][head_dim][P]: the K tile, packed
-    float* vp;            // [dim_p / P][Bc][P]: the V tile, packed
-    float* qp;            // [RM / MR][head_dim][MR]: the block's Q, packed
-    float* s;             // [RM][Bc]: logits, then weights
-    float* acc;           // [RM][dim_p]: O
-    float* rowmax;        // [RM][W]: lane maxima of the tile's logits
-    float* m;             // [R]: running maxima (base 2)
-    float* l;             // [R]: running sums
-    float* alpha;         // [RM]: this tile's rescale factors
-    std::int64_t* cols;   // [R]: the end of the keys of this tile each row sees
-    std::int64_t* first;  // [R]: and their first (a sliding window's; 0 without)
-    float* wide;          // [Bc][head_dim]: a K or V tile widened (kv_type not f32; else null)
+    std::int64_t dim_p;       // head_dim rounded up to P: O's row stride, V panels x P
+    float* kp;                // [Bc / P][head_dim][P]: the K tile, packed
+    float* vp;                // [dim_p / P][Bc][P]: the V tile, packed
+    float* qp;                // [RM / MR][head_dim][MR]: the block's Q, packed
+    float* s;                 // [RM][Bc]: logits, then weights
+    float* acc;               // [RM][dim_p]: O
+    float* rowmax;            // [RM][W]: lane maxima of the tile's logits
+    float* m;                 // [R]: running maxima (base 2)
+    float* l;                 // [R]: running sums
+    float* alpha;             // [RM]: this tile's rescale factors
+    std::int64_t* cols;       // [R]: the end of the keys of this tile each row sees
+    std::int64_t* first;      // [R]: and their first (a sliding window's; 0 without)
+    std::int64_t* row_first;  // [R]: the keys of the whole KV head each row sees
+    std::int64_t* row_end;
+    float* wide;  // [Bc][head_dim]: a K or V tile widened (kv_type not f32; else null)
   };
 
   // Br: mha::support::packed_rows_per_head's rule (its comment gives the rule and its
@@ -242,6 +244,8 @@ struct Loops {
     s.alpha = carve.take<float>(padded);
     s.cols = carve.take<std::int64_t>(rows);
     s.first = carve.take<std::int64_t>(rows);
+    s.row_first = carve.take<std::int64_t>(rows);
+    s.row_end = carve.take<std::int64_t>(rows);
     s.wide = p.kv_type == mha::KvType::f32 ? nullptr : carve.take<float>(kKeys * dim);
     return s;
   }
@@ -410,12 +414,18 @@ struct Loops {
       const mha::KvView k_head = kv_head(p, block, k, p.k, p.k_scale);
       const mha::KvView v_head = kv_head(p, block, v, p.v, p.v_scale);
       const std::int64_t block_keys = block.keys(p);
+      for (std::int64_t t = 0; t < block.rows; ++t) {  // each row's keys, once per block
+        s.row_first[t] = mha::first_key(p, block.row(t));
+        s.row_end[t] = mha::visible_keys(p, block.row(t));
+      }
       for (std::int64_t c0 = block.first_key(p); c0 < block_keys; c0 += kKeys) {
         const std::int64_t keys = std::min(kKeys, block_keys - c0);
-        for (std::int64_t t = 0; t < block.rows; ++t) {
-          s.cols[t] = block.tile_keys_seen(p, t, c0, keys);
-          s.first[t] = block.tile_first_seen(p, t, c0, keys);
-          if (s.first[t] == s.cols[t]) s.cols[t] = s.first[t] = 0;  // none of the tile
+        for (std::int64_t t = 0; t < block.rows; ++t) {  // Block::tile_first_seen, tile_keys_seen
+          const std::int64_t first = std::clamp(s.row_first[t] - c0, std::int64_t{0}, keys);
+          const std::int64_t end = std::clamp(s.row_end[t] - c0, std::int64_t{0}, keys);
+          const bool none = first == end;  // of the tile: both 0
+          s.first[t] = none ? 0 : first;
+          s.cols[t] = none ? 0 : end;
         }
         RowPrefetch v_ahead, k_ahead;
         if constexpr (!kTyped) {
