@@ -97,6 +97,9 @@ struct Shape {
   KvType kv = KvType::f32;  // K and V as stored: "/kv:<type>" in the name unless f32
   bool sinks = false;       // attention sinks (Problem::sinks): "/sinks:1" in the name
   std::int64_t window = 0;  // a sliding window (Problem::window): "/window:<w>" unless 0
+  // A variant's plain twin that no other comparison needs: the registry kernels alone (no
+  // composed baselines, no peers), for the variant's time over the same kernel's without it.
+  bool kernels_only = false;
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
@@ -183,8 +186,8 @@ std::vector<Shape> shapes(Size size, int cores) {
   for (int threads : {1, cores}) {
     if (threads > 1 && cores == 1) break;
     for (std::int64_t window : {std::int64_t{0}, std::int64_t{1024}}) {
-      out.push_back(
-          {"prefill", 1, 32, 8, 8192, 8192, 128, true, threads, "", KvType::f32, false, window});
+      out.push_back({"prefill", 1, 32, 8, 8192, 8192, 128, true, threads, "", KvType::f32, false,
+                     window, window == 0});
     }
     out.push_back({"decode", 1, 32, 8, 1, 32768, 128, true, threads, "", KvType::f32, false, 4096});
   }
@@ -1291,7 +1294,7 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
     // "decode/B:1/H:32/..." without the implementation's slot
     const std::string shape = s.family + s.name("").substr(s.family.size() + 1);
     std::vector<std::string> peers;
-    if (server != nullptr) {
+    if (server != nullptr && !s.kernels_only) {
       const mha::Problem p = workspace_problem(s);
       for (const PeerInfo& peer : server->peers()) {
         std::string why;
@@ -1310,7 +1313,8 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
         if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
-        if ((s.family == "ragged" || s.sinks || s.window > 0) && !impl.variants) continue;
+        const bool variant = s.family == "ragged" || s.sinks || s.window > 0 || s.kernels_only;
+        if (variant && !impl.variants) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),
             [impl, s, shape, index, shape_count, &probe](benchmark::State& st) {
