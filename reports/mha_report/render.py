@@ -13,8 +13,9 @@ from typing import Callable
 from . import cliffs, plots
 from .results import (GEMM_LIBRARIES, GemmShape, LayerShape, Results, Shape, is_composed,
                       is_kernel, is_library, is_peer, sharing)
-from .stats import (Best, Change, GemmRow, Headline, KvRow, LayerRow, Row, Spread, compare,
-                    gemm_rows, headlines, kv_head_groups, kv_rows, layer_rows, shape_rows)
+from .stats import (Best, Change, GemmRow, Headline, KvRow, LayerRow, Row, Spread, VariantRow,
+                    compare, gemm_rows, headlines, kv_head_groups, kv_rows, layer_rows,
+                    shape_rows, variant_rows)
 
 
 @dataclass
@@ -298,6 +299,20 @@ def kv_table(rows: list[KvRow]) -> Table:
     return Table(header, out)
 
 
+def variant_table(rows: list[VariantRow]) -> Table:
+    """Per shape with an attention variant: the fastest kernel, its time over its own time
+    without the variant, and the fastest peer that expresses the variant."""
+    header = ["shape", "variant", "best kernel", "ms", "its ms without", "time over without",
+              "best peer", "speedup over peer"]
+    out = []
+    for r in rows:
+        plain = replace(r.shape, sinks=False, window=0)
+        out.append([f"{r.shape.family} {plain.label()}", r.variant, _name(r.kernel),
+                    _fmt(r.kernel.ms, 3), _fmt(r.plain.ms, 3), _fmt(r.vs_plain, 3),
+                    _name(r.peer), _speedup(r.vs_peer)])
+    return Table(header, out)
+
+
 def change_table(changes: list[Change]) -> Table:
     rows = [[f"`{c.name}`", f"{c.old_ms:.3f}", f"{c.new_ms:.3f}", f"{c.ratio:.3f}",
              "" if c.pvalue is None else f"{c.pvalue:.4f}",
@@ -345,6 +360,17 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
     if attention:
         report.heading("Summary: the fastest kernel against the fastest peer")
         report.table(headline_table(headlines(results), peer_overheads(results)))
+    variants = variant_rows(results)
+    if variants:
+        report.heading(VARIANTS_TITLE)
+        report.para(
+            "Shapes with an attention variant: a ragged batch (sequences of their own "
+            "lengths), attention sinks, a sliding window. \"time over without\" is the "
+            "fastest kernel's time over its own time on the same shape without the variant, "
+            "round by round (a window's floor is its share of the query-key pairs: at L = 8192, "
+            "causal, a window of 1024 keeps 0.234 of them). The peer is the fastest of those "
+            "that can express the variant; the others are absent from these rows.")
+        report.table(variant_table(variants))
     if any(s.kv != "f32" for s in results.shapes()):
         _kv_section(report, results)
     if results.cliff_shapes():
@@ -414,6 +440,7 @@ def _has_attention(results: Results) -> bool:
 
 
 KV_TITLE = "Reduced-precision KV caches: K and V in f16, bf16 and i8"
+VARIANTS_TITLE = "Attention variants: ragged batches, sinks, sliding windows"
 
 
 def _kv_section(report: Report, results: Results) -> None:

@@ -281,6 +281,44 @@ def kv_rows(results: Results) -> list[KvRow]:
 
 
 @dataclass
+class VariantRow:
+    """One shape with an attention variant (a ragged batch, sinks, a sliding window): its
+    fastest kernel, that kernel's time on the same shape without the variant when the run has
+    it, and the fastest peer that can express the variant (the others are absent)."""
+    shape: Shape
+    variant: str
+    kernel: Best
+    plain: Best  # the same kernel on the shape without the variant
+    vs_plain: Spread | None  # time(variant) / time(plain), the same kernel, round by round
+    peer: Best
+    vs_peer: Spread | None
+
+
+def variant_rows(results: Results) -> list[VariantRow]:
+    """Per shape with a variant, in the run's order."""
+    out = []
+    for shape in results.shapes():
+        names = ((["ragged batch"] if shape.family == "ragged" else [])
+                 + (["sinks"] if shape.sinks else [])
+                 + ([f"window {shape.window}"] if shape.window else []))
+        if not names:
+            continue
+        impls = results.impls_of(shape)
+        kernel = best_of(results, shape, [i for i in impls if is_kernel(i)])
+        plain_shape = replace(shape, sinks=False, window=0)
+        plain, vs_plain = Best(None), None
+        if (shape.family != "ragged" and kernel.impl is not None
+                and kernel.impl in results.impls_of(plain_shape)):
+            plain = Best(kernel.impl, Spread.of([t * 1e3 for t in
+                                                 results.times(plain_shape, kernel.impl)]))
+            vs_plain = _paired_across(results, (shape, kernel.impl), (plain_shape, kernel.impl))
+        peer = best_of(results, shape, [i for i in impls if is_peer(i)])
+        out.append(VariantRow(shape, ", ".join(names), kernel, plain, vs_plain, peer,
+                              _speedup_over(results, shape, peer, kernel)))
+    return out
+
+
+@dataclass
 class Change:
     name: str
     old_ms: float

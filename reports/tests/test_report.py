@@ -231,3 +231,44 @@ def test_kv_type_in_names_and_rows(raw: dict, tmp_path: Path) -> None:
     assert "## Reduced-precision KV caches" in text
     assert text.count("| f16 |") == len(rows)
     assert "Reduced-precision" not in build(res.parse(raw), tmp_path).markdown()
+
+
+def with_window(raw: dict, factor: float) -> dict:
+    """The fixture plus, for every run of a causal prefill shape, the same run with a sliding
+    window ("/window:64" in its name) taking `factor` of its time; peers only on one of them
+    (as a peer that cannot express the window is absent)."""
+    data = copy.deepcopy(raw)
+    extra = []
+    for b in iterations(data):
+        parsed = res.parse_name(b["name"])
+        if parsed is None or not isinstance(parsed[0], res.Shape):
+            continue
+        shape, impl = parsed
+        if shape.family != "prefill" or not shape.causal or shape.sinks or shape.kv != "f32":
+            continue
+        if res.is_peer(impl) and impl != "peer-ort-gqa":
+            continue
+        extra.append(dict(b, name=b["name"].replace("/threads:", "/window:64/threads:"),
+                          real_time=b["real_time"] * factor))
+    data["benchmarks"] += extra
+    return data
+
+
+def test_variant_rows_pair_each_variant_with_its_plain_twin(raw: dict, tmp_path: Path) -> None:
+    run = res.parse(with_window(raw, 0.25))
+    rows = stats.variant_rows(run)
+    windowed = [r for r in rows if r.shape.window == 64]
+    assert windowed and all(r.variant == "window 64" for r in windowed)
+    for r in windowed:
+        plain = replace(r.shape, window=0)
+        assert r.kernel.impl == stats.fastest(run, r.shape, [i for i in run.impls_of(r.shape)
+                                                              if res.is_kernel(i)])
+        assert r.plain.impl == r.kernel.impl and r.vs_plain is not None
+        assert r.vs_plain.median == pytest.approx(0.25)
+        assert r.plain.ms is not None and r.plain.ms.median == pytest.approx(
+            statistics.median(run.times(plain, r.kernel.impl)) * 1e3)
+        assert r.peer.impl in (None, "peer-ort-gqa")
+    # A ragged batch (if the fixture has one) has no plain twin.
+    assert all(r.plain.impl is None for r in rows if r.shape.family == "ragged")
+    text = build(run, tmp_path).markdown()
+    assert "Attention variants" in text and "window 64" in text
