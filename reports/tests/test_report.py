@@ -10,6 +10,7 @@ import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -188,22 +189,28 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main([str(empty), "--out", str(tmp_path / "x")]) == 2
 
 
-def with_kv_f16(raw: dict, factor: float) -> dict:
-    """The fixture plus, for every kernel's decode run, the same run with K and V in f16
-    ("/kv:f16" in its name) taking `factor` of its time, with quantization-error counters."""
+def with_variant(raw: dict, keep: Callable[[res.Shape, str], bool], tag: str, factor: float,
+                 **counters: float) -> dict:
+    """The fixture plus, for every run that `keep` picks (by shape and implementation), the
+    same run with `tag` ("/kv:f16", "/window:64") before "/threads:" in its name, taking
+    `factor` of its time, with `counters` added."""
     data = copy.deepcopy(raw)
     extra = []
     for b in iterations(data):
         parsed = res.parse_name(b["name"])
-        if parsed is None or not isinstance(parsed[0], res.Shape):
+        if parsed is None or not isinstance(parsed[0], res.Shape) or b.get("error_occurred"):
             continue
-        shape, impl = parsed
-        if shape.family != "decode" or not res.is_kernel(impl) or b.get("error_occurred"):
-            continue
-        extra.append(dict(b, name=b["name"].replace("/threads:", "/kv:f16/threads:"),
-                          real_time=b["real_time"] * factor, kv_err_max=1e-3, kv_err_rms=2e-4))
+        if keep(*parsed):
+            extra.append(dict(b, name=b["name"].replace("/threads:", f"{tag}/threads:"),
+                              real_time=b["real_time"] * factor, **counters))
     data["benchmarks"] += extra
     return data
+
+
+def with_kv_f16(raw: dict, factor: float) -> dict:
+    """Every kernel's decode run again with K and V in f16, with quantization-error counters."""
+    return with_variant(raw, lambda shape, impl: shape.family == "decode" and res.is_kernel(impl),
+                        "/kv:f16", factor, kv_err_max=1e-3, kv_err_rms=2e-4)
 
 
 def test_kv_type_in_names_and_rows(raw: dict, tmp_path: Path) -> None:
@@ -234,24 +241,12 @@ def test_kv_type_in_names_and_rows(raw: dict, tmp_path: Path) -> None:
 
 
 def with_window(raw: dict, factor: float) -> dict:
-    """The fixture plus, for every run of a causal prefill shape, the same run with a sliding
-    window ("/window:64" in its name) taking `factor` of its time; peers only on one of them
-    (as a peer that cannot express the window is absent)."""
-    data = copy.deepcopy(raw)
-    extra = []
-    for b in iterations(data):
-        parsed = res.parse_name(b["name"])
-        if parsed is None or not isinstance(parsed[0], res.Shape):
-            continue
-        shape, impl = parsed
-        if shape.family != "prefill" or not shape.causal or shape.sinks or shape.kv != "f32":
-            continue
-        if res.is_peer(impl) and impl != "peer-ort-gqa":
-            continue
-        extra.append(dict(b, name=b["name"].replace("/threads:", "/window:64/threads:"),
-                          real_time=b["real_time"] * factor))
-    data["benchmarks"] += extra
-    return data
+    """Every run of a plain causal prefill shape again with a sliding window of 64 keys; of
+    the peers only peer-ort-gqa (as a peer that cannot express the window is absent)."""
+    def keep(shape: res.Shape, impl: str) -> bool:
+        return (shape.family == "prefill" and shape.causal and not shape.sinks
+                and shape.kv == "f32" and (not res.is_peer(impl) or impl == "peer-ort-gqa"))
+    return with_variant(raw, keep, "/window:64", factor)
 
 
 def test_variant_rows_pair_each_variant_with_its_plain_twin(raw: dict, tmp_path: Path) -> None:
