@@ -98,6 +98,7 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
      << " storage=" << name(c.storage) << " values=" << name(c.values)
      << " value_scale=" << c.value_scale << " seed=" << c.seed;
   if (p.window != 0) os << " window=" << p.window;
+  if (p.softcap != 0.0f) os << " softcap=" << p.softcap;
   if (!c.sinks.empty()) {
     os << " sinks=";
     for (std::size_t h = 0; h < c.sinks.size(); ++h) os << (h > 0 ? "," : "") << c.sinks[h];
@@ -252,6 +253,14 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
         c.storage = Storage::separate;
       }
     }
+    // Soft-capped cases: half of the uniform ones get large logits instead, so that many
+    // logits lie far past the cap (where a running max of uncapped logits loses every weight).
+    const bool softcapped =
+        o.only_softcaps || (o.any_softcap && *unsized(rc::gen::inRange(0, 4)) == 0);
+    if (softcapped && o.any_values && c.values == Values::uniform &&
+        *unsized(rc::gen::arbitrary<bool>())) {
+      c.values = Values::large_logits;
+    }
     double typical = 1.0;  // a typical logit's magnitude
     if (c.values == Values::large_logits) {
       // q, k uniform in [-a, a]: logits have standard deviation about a^2/3 * |scale| *
@@ -288,13 +297,13 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
       if (which != 1) c.q_lens = lens(p.q_len);
       if (which != 0) c.kv_lens = lens(p.kv_len);
     }
-    if (o.any_window && *unsized(rc::gen::inRange(0, 4)) == 0) {
+    if (o.only_windows || (o.any_window && *unsized(rc::gen::inRange(0, 4)) == 0)) {
       // 1 key; a few, so that a block's rows start at different keys of one tile; one off a
       // KV tile each way, so that the window's edge crosses tiles; any up to the keys; or at
       // least every row's keys (no window, in effect).
       const std::vector<std::int64_t> sizes{1, kKvTile - 1, kKvTile + 1,
                                             std::max<std::int64_t>(1, p.kv_len - 1)};
-      switch (*unsized(rc::gen::inRange(0, 4))) {
+      switch (*unsized(rc::gen::inRange(0, o.only_windows ? 3 : 4))) {
         case 0:
           p.window = *unsized(rc::gen::elementOf(sizes));
           break;
@@ -307,6 +316,14 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
         default:
           p.window = p.kv_len + *unsized(rc::gen::inRange<std::int64_t>(0, 3));
       }
+    }
+    if (softcapped) {
+      // From a tenth of a typical logit (nearly every logit near +-c: the cap decides the
+      // softmax) to ten times one (most logits in tanh's linear part), 1 in 8 +inf (none).
+      const int x = *unsized(rc::gen::inRange(-100, 101));
+      p.softcap = !o.only_softcaps && *unsized(rc::gen::inRange(0, 8)) == 0
+                      ? std::numeric_limits<float>::infinity()
+                      : static_cast<float>(typical * std::pow(10.0, x / 100.0));
     }
     c.seed = *rc::gen::arbitrary<std::uint64_t>();
     return c;

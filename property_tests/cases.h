@@ -77,6 +77,9 @@ struct CaseOptions {
   bool any_sinks = true;       ///< 1 in 4: attention sinks (Problem::sinks)
   bool any_ragged = false;     ///< 1 in 3: per-sequence lengths (Problem::q_lens, kv_lens)
   bool any_window = true;      ///< 1 in 4: a sliding window (Problem::window)
+  bool any_softcap = true;     ///< 1 in 4: logit soft-capping (Problem::softcap)
+  bool only_windows = false;   ///< every case a sliding window that cuts some row's keys
+  bool only_softcaps = false;  ///< every case soft-capped (a finite cap)
   /// Only long decodes: Lq <= 3, Lk from 16383 to 131072, the sensitive values (reference/
   /// sensitive.h), work up to shape.max_work / 4 and K up to 2^21 floats.
   bool long_decode = false;

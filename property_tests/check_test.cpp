@@ -115,6 +115,28 @@ TEST(Check, WindowIsNotNegative) {
             "window (" + std::to_string(p.window) + ") must be >= 0 (0: no sliding window)");
 }
 
+TEST(Check, SoftcapIsNoneOrWithinItsRange) {
+  Problem p = valid();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float cap : {0.0f, inf, 0x1p-126f, 0.5f, 50.0f, 0x1p120f}) {
+    p.softcap = cap;
+    EXPECT_EQ(check(p), "") << cap;
+  }
+  const std::string range = ") must be 0 or +inf (none), or within [2^-126, 2^120]";
+  p.softcap = -1.0f;
+  EXPECT_EQ(check(p), "softcap (-1" + range);
+  p.softcap = -inf;
+  EXPECT_EQ(check(p), "softcap (-inf" + range);
+  p.softcap = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(check(p), "softcap (nan" + range);
+  p.softcap = 0x1p-127f;  // its 1 / c would overflow in base 2
+  EXPECT_EQ(check(p), "softcap (5.87747e-39" + range);
+  p.softcap = 0x1p121f;
+  EXPECT_EQ(check(p), "softcap (2.65846e+36" + range);
+  p.softcap = -0.0f;  // zero either way: none
+  EXPECT_EQ(check(p), "");
+}
+
 TEST(Check, SequenceLengthsAreWithinTheTensors) {
   Problem p = valid();  // batch 2, q_len 5, kv_len 7
   std::vector<std::int64_t> q_lens = {0, 5}, kv_lens = {7, 0};

@@ -36,6 +36,22 @@ TEST_P(Equivalence, CausalPrefill) {  // Lq == Lk, the usual lower triangle
   check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
 }
 
+// Every case with a sliding window that cuts some row's keys (1 key, a few, one off a KV
+// tile, any), and every case soft-capped: the variants' edges in every case rather than one
+// in four (a window's start one key off in a kernel's masked pass shows in a few cases in a
+// hundred of MatchesReference).
+TEST_P(Equivalence, SlidingWindow) {
+  CaseOptions options;
+  options.only_windows = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
+}
+
+TEST_P(Equivalence, SoftCapped) {
+  CaseOptions options;
+  options.only_softcaps = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
+}
+
 // Decodes of 16k to 128k keys on values where every row hangs on a few hundred keys: a
 // kernel that drops a KV tile or 1% of the keys there fails (reference/sensitive.h). 25
 // cases (about 1.5 s natively): the planted long-decode bugs (mutants/CMakeLists.txt) fail

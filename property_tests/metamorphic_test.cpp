@@ -351,6 +351,23 @@ TEST_P(Metamorphic, WindowOverEveryKeyIsNone) {
   });
 }
 
+// A soft-cap of +inf is none (Problem::softcap): the same bits of o and lse.
+TEST_P(Metamorphic, SoftcapOfInfinityIsNone) {
+  CaseOptions options;
+  options.any_softcap = false;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Outputs none = run(call_kernel(kernel()), kernel().name, in);
+    Problem p = in.p;
+    p.softcap = std::numeric_limits<float>::infinity();
+    const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
+    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
+    RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
+    RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+  });
+}
+
 // Partial results over KV chunks merged by their lse equal the whole (mha::merge). Chunks
 // of a causal problem end at or before key kv_len - q_len + 1 (seen whole by every row,
 // so non-causal) except the last, which stays causal. With sinks, the chunks run without

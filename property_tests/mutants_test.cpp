@@ -34,6 +34,7 @@ TEST_P(Mutants, FailEquivalence) {
   CaseOptions options;
   options.any_sinks = false;
   options.any_window = false;
+  options.any_softcap = false;
   rc::detail::TestMetadata metadata;
   metadata.id = std::string("Mutants/") + mutant.name;
   metadata.description = metadata.id;

@@ -6,6 +6,7 @@
 #include <mha/kv_types.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -81,12 +82,19 @@ inline double sink_logit(const Problem& p, std::int64_t h) {
                             : -std::numeric_limits<double>::infinity();
 }
 
+/// Logit s after p's soft-cap (Problem::softcap): c tanh(s / c) for a finite cap c > 0, s
+/// itself without one (0 or +inf). tanh(+-inf) is +-1, tanh(NaN) NaN.
+inline double capped_logit(const Problem& p, double s) {
+  const double c = static_cast<double>(p.softcap);
+  return c > 0.0 && std::isfinite(c) ? c * std::tanh(s / c) : s;
+}
+
 /// Attention of the problem p (strides as p says) over the inputs, K and V of p.kv_type
-/// taken at their exact values (kv_row), with p's sinks (each one more logit in the max and
-/// the sum). Rows that see no key are zeros with lse -inf (the sink, with one); NaN in the
-/// inputs propagates. Runs only the query rows
-/// [row_begin, row_end) of every head when given (others are left zero), so a caller can
-/// check a sample of rows of a large problem.
+/// taken at their exact values (kv_row), its logits soft-capped (capped_logit), with p's sinks
+/// (each one more logit in the max and the sum). Rows that see no key are zeros with lse -inf (the
+/// sink, with one); NaN in the inputs propagates. Runs only the query rows [row_begin, row_end) of
+/// every head when given (others are left zero), so a caller can check a sample of rows of a large
+/// problem.
 Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int64_t row_begin = 0,
                  std::int64_t row_end = -1);
 

@@ -18,6 +18,8 @@ constexpr double kDepths[] = {8.0, 12.0, 16.0, 20.0, 24.0, 32.0, 48.0, 64.0, 88.
 constexpr double kMargin = 1e-3;
 }  // namespace
 
+const double kSoftcapError = 4.0;
+
 double gamma(double n) { return n * kU / (1.0 - n * kU); }
 
 double weight_shift(double eta) { return eta < 0.5 ? 2.0 * eta / (1.0 - eta) : 2.0; }
@@ -56,6 +58,9 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
   const double scale = std::fabs(static_cast<double>(p.scale));
   // Step 6: an i8 value's rounding in fp32, once per K product and once per V element.
   const double kv_roundings = p.kv_type == KvType::i8 ? 1.0 : 0.0;
+  // Step 8: a soft-capped logit's tanh, within kSoftcapError u c of the cap of its computed s.
+  const double cap = static_cast<double>(p.softcap);
+  const double cap_error = cap > 0.0 && std::isfinite(cap) ? kSoftcapError * kU * cap : 0.0;
   std::vector<double> logit;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
@@ -87,7 +92,7 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
           }
           a = std::max(a, scale * abs_dot);
           nonzero = std::max(nonzero, products);
-          logit[static_cast<std::size_t>(j)] = static_cast<double>(p.scale) * dot;
+          logit[static_cast<std::size_t>(j)] = capped_logit(p, static_cast<double>(p.scale) * dot);
           top = std::max(top, logit[static_cast<std::size_t>(j)]);
         }
         if (has_sink) {
@@ -96,7 +101,8 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
           logit.push_back(sink);
         }
         const double u = kU;
-        const double delta = gamma(static_cast<double>(nonzero) + 5.0 + kv_roundings) * a;
+        const double delta =
+            gamma(static_cast<double>(nonzero) + 5.0 + kv_roundings) * a + cap_error;
         const double eta = std::exp(delta) * (1.0 + exp_ulp * 2.0 * u) - 1.0;
         // Step 3 over the keys within `depth` of the top logit, the rest as small mass: the
         // split that gives the smallest bound (depth infinite: every key counted, no mass).

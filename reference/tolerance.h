@@ -69,6 +69,13 @@
 //    Folding it into lse (a log-add-exp in double, rounded once) rounds once more: (5 +
 //    exp_ulp) in tol_lse.
 //
+// 8. Soft-capping (Problem::softcap = c). A logit's cap c tanh(s / c) has slope at most 1, so
+//    step 1's error of s passes through it no larger; the kernels' tanh (and their rounding of
+//    c to the logits' units) adds at most kSoftcapError u c (mha::support::Softcap, measured
+//    in property_tests/softcap_test.cpp): delta gains that. A capped logit is at most c in
+//    magnitude, less than A allows for, so every other term stands; the exact logits (the top,
+//    step 3's split) are the capped ones.
+//
 // Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
 // loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
 // head mapping, a doubled scale, a skipped key, a dropped tail of D or lse in the wrong
@@ -94,6 +101,10 @@ struct Tolerance {
     return static_cast<std::size_t>((b * q_heads + h) * q_len + i);
   }
 };
+
+/// Step 8's bound on a kernel's soft-cap, in units of u c: the most any kernel's tanh (and
+/// rounding of c) moves a capped logit from c tanh(s / c) of its computed s.
+extern const double kSoftcapError;
 
 /// gamma(n) = n u / (1 - n u) with u = 2^-24.
 double gamma(double n);

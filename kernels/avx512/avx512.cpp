@@ -14,7 +14,7 @@
 //       (decode-sized blocks read suitably strided rows in place instead)
 //       for each strip of 32 rows (2 zmm):
 //         S^T = scale log2(e) K Q^T    microkernel: 12 keys x 32 rows,   strip_logits
-//                                      K broadcast
+//                                      K broadcast; soft-capped (Problem::softcap)
 //         online softmax in base 2, 16 rows per vector: running max m,   strip_softmax
 //           sum l; P^T = 2^(S^T - m)
 //         O^T = alpha O^T + V^T P^T    microkernel: 12 columns x 32      strip_pv
@@ -144,6 +144,11 @@ Tiling choose_tiling(const mha::Problem& p) {
 // scale log2(e) rounded once, in every lane: the logits' base change (tolerance.h counts it).
 __m512 logit_scale_of(const mha::Problem& p) {
   return _mm512_set1_ps(static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e));
+}
+
+// Problem::softcap in the kernel's base-2 logit units (off without one).
+mha::support::Softcap softcap_of(const mha::Problem& p) {
+  return mha::support::Softcap::of(p, mha::support::kLog2e);
 }
 
 // op over the 16 lanes, by halving (shuffles; not _mm512_reduce_*_ps, inside which GCC 12
@@ -808,6 +813,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
   float* const weights = scratch.weights;
   const std::int64_t ldw = scratch.ldw;
   const __m512 logit_scale = logit_scale_of(p);
+  const mha::support::Softcap cap = softcap_of(p);
   const std::int64_t decode_keys = scratch.tile_keys;
   // f16 and bf16: a tile's first group prefetches the next tile in its own loops (Ahead).
   // Measured from DRAM against Prefetch::step() (1 thread, D = 128, Lk = 32768, time ratio):
@@ -929,7 +935,11 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
           const std::int64_t t = t0 + r * p.q_len;
           float* w = weights + r * ldw;
           // alpha by the vector 2^x (its error cancels: O and l get the same factor).
-          const float tile_max = lanes_max(mv[r]);  // no lane of mv is NaN
+          float tile_max = lanes_max(mv[r]);  // no lane of mv is NaN
+          if (cap.on()) {  // the capped logits, and their max: the cap of the max
+            cap.apply(w, cols);
+            tile_max = cap(tile_max);
+          }
           alpha[r] = 1.0f;
           if (tile_max > ms[t]) {
             // 0 when the old max is -inf.
@@ -1105,9 +1115,11 @@ std::int64_t start_block(const mha::Problem& p, const Block& block, const float*
   return padded;
 }
 
-// S^T = scale log2(e) K Q^T for the strip, 12 keys at a time.
+// S^T = scale log2(e) K Q^T for the strip, 12 keys at a time, then soft-capped by `cap`
+// (base-2 units) if on: the strip's rows' lanes of every key, masked ones too (the softmax's
+// masks keep those out).
 void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, __m512 logit_scale,
-                  const Scratch& s, Prefetch* pf) {
+                  const mha::support::Softcap& cap, const Scratch& s, Prefetch* pf) {
   for (std::int64_t j = strip.begin; j < strip.most; j += kMr) {
     with_count<kMr>(strip.most - j, [&](auto keys) {
       constexpr int kKeys = decltype(keys)::value;
@@ -1121,6 +1133,12 @@ void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, _
                               s.st + j * kStrip, pf);
       }
     });
+  }
+  if (!cap.on()) return;
+  if (strip.rows == 32) {
+    cap.apply(s.st + strip.begin * kStrip, (strip.most - strip.begin) * kStrip);
+  } else {
+    for (std::int64_t j = strip.begin; j < strip.most; ++j) cap.apply(s.st + j * kStrip, 16);
   }
 }
 
@@ -1272,6 +1290,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
   Carve workspace(ws.data);
   const Scratch s = carve(p, tiling, workspace);
   const __m512 logit_scale = logit_scale_of(p);
+  const mha::support::Softcap cap = softcap_of(p);
 
   mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
     const std::int64_t padded = start_block(p, block, q, s);
@@ -1347,7 +1366,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
           continue;
         }
         Prefetch* const pf = small && s0 == 0 ? &next : nullptr;
-        strip_logits(p, tile, strip, logit_scale, s, pf);
+        strip_logits(p, tile, strip, logit_scale, cap, s, pf);
         strip_softmax(block, strip, s);
         strip_pv(p, tile, strip, s, pf);
       }

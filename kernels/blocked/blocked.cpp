@@ -9,7 +9,7 @@
 //     block rows = the group's g query heads x up to Br query rows each
 //     for each KV tile of Bc keys that some row of the block sees:
 //       pack K^T of the tile                          once for all g heads: pack_k_transposed
-//       S = scale * Q K^T                             [rows][Bc]          tile_logits
+//       S = scale * Q K^T (soft-capped: c tanh(S / c)) [rows][Bc]         tile_logits
 //       online softmax: running max m and sum l per row; when m grows, the  tile_softmax
 //       accumulator and l are rescaled by the same exp(m_old - m_new); S becomes the weights P
 //       O += P V                                      [rows][head_dim]    tile_pv
@@ -234,11 +234,14 @@ void tile_keys(const mha::Problem& p, const Block& block, const Tile& tile, cons
   }
 }
 
+// With a soft-cap (Problem::softcap) each row's logits are then capped in place.
 void tile_logits(const mha::Problem& p, const Block& block, const float* q, std::int64_t bc,
                  const Scratch& s) {
+  const mha::support::Softcap cap = mha::support::Softcap::of(p, 1.0);
   for (std::int64_t t = 0; t < block.rows; ++t) {
-    logits(block.q_row(p, q, t), s.kt + s.first[t], bc, p.head_dim, s.count[t], p.scale,
-           s.s + t * bc + s.first[t]);
+    float* row = s.s + t * bc + s.first[t];
+    logits(block.q_row(p, q, t), s.kt + s.first[t], bc, p.head_dim, s.count[t], p.scale, row);
+    if (cap.on()) cap.apply(row, s.count[t]);
   }
 }
 

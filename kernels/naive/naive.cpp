@@ -2,7 +2,8 @@
 // KvType (each element widened to fp32 as it is read: mha/kv_types.h's value_at).
 //
 // For each (batch, query head, query row): the full score row s = scale * q K^T over the
-// keys it sees (its sliding window's, with one), a stable softmax (subtract the row max, exp,
+// keys it sees (its sliding window's, with one), soft-capped with one (c tanh(s / c), in
+// double), a stable softmax (subtract the row max, exp,
 // sum; the head's sink joins the sum: mha::sink_row_end), then o = softmax(s) V.
 // Layout: any strides mha::check accepts; reads only the elements the strides address,
 // writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
@@ -29,6 +30,8 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
   const mha::KvType type = p.kv_type;
   const bool i8 = type == mha::KvType::i8;
   const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
+  const bool capped = mha::soft_capped(p);
+  const double cap = p.softcap;
   float* const score = static_cast<float*>(ws.data);  // [kv_len]
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
@@ -47,8 +50,8 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
         const std::int64_t first = mha::first_key(p, i);
         const std::int64_t n = mha::visible_keys(p, i) - first;
 
-        // s[j] = scale * q.k_j; m = max_j s[j]. A NaN logit is not the max, but exp(NaN - m)
-        // below is NaN, so it still reaches the output.
+        // s[j] = scale * q.k_j, soft-capped (Problem::softcap); m = max_j s[j]. A NaN logit is not
+        // the max, but exp(NaN - m) below is NaN, so it still reaches the output.
         float m = -std::numeric_limits<float>::infinity();
         for (std::int64_t j = 0; j < n; ++j) {
           const mha::KvView row = k_row(first + j);
@@ -58,6 +61,9 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
             dot += q_row[d] * mha::kv::value_at(type, row.data, d, row_scale);
           }
           score[j] = p.scale * dot;
+          if (capped) {  // in double, rounded once: within u c of c tanh(s / c)
+            score[j] = static_cast<float>(cap * std::tanh(static_cast<double>(score[j]) / cap));
+          }
           m = score[j] > m ? score[j] : m;
         }
 

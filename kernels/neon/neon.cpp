@@ -14,6 +14,7 @@
 //       pack K^T of the tile (4 x 4 transposes), widened to fp32,    pack_k_transposed
 //         zero-padded to a multiple of 4 keys; all g heads share it
 //       S = scale * Q K^T        microkernel 4 rows x 16 keys        tile_logits
+//         (soft-capped with Problem::softcap)
 //       online softmax per row: running max m and sum l;             tile_softmax
 //         vectorized exp (neon_exp.h)
 //       a reduced V tile widened to fp32 rows in the workspace       widen_rows
@@ -584,9 +585,10 @@ void start_block(const Block& block, const Scratch& s) {
 }
 
 // S = scale Q K^T, kRows block rows at a time, over the keys one of them sees, from the
-// vector of 4 that holds the first.
+// vector of 4 that holds the first; with Problem::softcap each row's own then capped.
 void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
                  const Scratch& s) {
+  const mha::support::Softcap cap = mha::support::Softcap::of(p, 1.0);
   for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
     const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
     const float* qr[kRows];
@@ -604,6 +606,11 @@ void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, co
       logits_rows<decltype(rows)::value>(qr, s.kt + from, s.ld, p.head_dim, round_up4(end) - from,
                                          p.scale, s.s + t0 * s.ld + from);
     });
+    if (!cap.on()) continue;
+    for (std::int64_t r = 0; r < nr; ++r) {  // each row's own logits [first, end)
+      const Seen keys = seen(p, block, tile, t0 + r);
+      if (keys.end > 0) cap.apply(s.s + (t0 + r) * s.ld + keys.first, keys.end - keys.first);
+    }
   }
 }
 
@@ -947,6 +954,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
   Carve workspace(ws.data);
   const DecodeScratch s = carve_decode(p, workspace);
   const std::int64_t dim = p.head_dim, bd = s.tile;
+  const mha::support::Softcap cap = mha::support::Softcap::of(p, 1.0);
   // The step() calls of one row over a whole tile: one per 16 keys and q slice, one per key
   // and O slice.
   const std::int64_t row_steps =
@@ -984,8 +992,12 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
         const Elem<T>* v_tile = v_head + j0 * p.v.seq;
         const float* k_scales = scales_from<T>(k_row0.scale, j0, p.k_scale.seq);
         const float* v_scales = scales_from<T>(v_row0.scale, j0, p.v_scale.seq);
-        const float tile_max = row_logits<T>(block.q_row(p, q, t), k_tile, p.k.seq, k_scales,
-                                             p.k_scale.seq, cols, dim, p.scale, s.weights, next);
+        float tile_max = row_logits<T>(block.q_row(p, q, t), k_tile, p.k.seq, k_scales,
+                                       p.k_scale.seq, cols, dim, p.scale, s.weights, next);
+        if (cap.on()) {  // the capped logits, and their max: the cap of the max
+          cap.apply(s.weights, cols);
+          tile_max = cap(tile_max);
+        }
         const float alpha = row_softmax(s.weights, cols, tile_max, m + t, l + t);
         if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum
           for (std::int64_t j = 0; j < cols; ++j) s.weights[j] *= v_scales[j * p.v_scale.seq];

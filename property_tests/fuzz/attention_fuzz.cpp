@@ -32,9 +32,10 @@
 //              field(): the offset in floats); 1 byte: one of those arrays placed inside the
 //              real o's or lse's buffer (then 1 byte: the offset) (read_extras())
 //   window     Problem::window (read_window()): 1 byte mode (0: none), then its value
-// The last four sections came last, so that every older seed (zeros there) has no sinks, no
-// per-sequence lengths and no window. A sinks or length array is allocated at exactly its size
-// (q_heads floats, batch int64s) when that is at most kMaxArray elements, else left null.
+//   softcap    Problem::softcap (read_softcap()): 1 byte mode (0: none), then its value
+// The last five sections came last, so that every older seed (zeros there) has no sinks, no
+// per-sequence lengths, no window and no soft-cap. A sinks or length array is allocated at exactly
+// its size (q_heads floats, batch int64s) when that is at most kMaxArray elements, else left null.
 #include <mha/attention.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
@@ -333,8 +334,37 @@ i64 read_window(Bytes& in, i64 kv_len) {
   }
 }
 
+// Problem::softcap. Mode byte % 4: 0 none; 1 any float (4 bytes: NaN, negative, subnormal, huge
+// and +inf among them); 2 2^(byte / 8 - 16), 2^-16 to 2^15.9 (caps that matter for some
+// logits); 3 a special: +inf, 2^-126, 2^120 or their neighbours outside, -0, by a byte.
+float read_softcap(Bytes& in) {
+  switch (in.u8() % 4) {
+    case 0:
+      return 0.0f;
+    case 1: {
+      const std::uint32_t bits = in.u32();
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    }
+    case 2:
+      return std::exp2(static_cast<float>(in.u8()) / 8.0f - 16.0f);
+    default: {
+      static constexpr float kSpecial[8] = {std::numeric_limits<float>::infinity(),
+                                            0x1p-126f,
+                                            0x1p120f,
+                                            0x1.fffffcp-127f,  // 2^-126's neighbours outside
+                                            0x1.000002p120f,
+                                            -0.0f,
+                                            -std::numeric_limits<float>::infinity(),
+                                            std::numeric_limits<float>::quiet_NaN()};
+      return kSpecial[in.u8() % 8];
+    }
+  }
+}
+
 // The input's last sections (see the top): the sinks, the lengths, where check_call finds
-// those arrays relative to the outputs, and the window.
+// those arrays relative to the outputs, the window and the soft-cap.
 struct Extras {
   std::unique_ptr<float[]> sinks;          // q_heads floats, or null
   std::unique_ptr<i64[]> q_lens, kv_lens;  // batch each, or null
@@ -348,6 +378,7 @@ struct Extras {
   bool place_in_lse = false;
   std::uint8_t place_offset = 0;
   i64 window = 0;
+  float softcap = 0.0f;
 };
 
 Extras read_extras(Bytes& in, const Problem& p) {
@@ -365,6 +396,7 @@ Extras read_extras(Bytes& in, const Problem& p) {
   e.place_in_lse = (place & 4) != 0;
   if (e.place_array != 0) e.place_offset = in.u8();
   e.window = read_window(in, p.kv_len);
+  e.softcap = read_softcap(in);
   return e;
 }
 
@@ -1545,6 +1577,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   p.q_lens = extras.q_lens.get();
   p.kv_lens = extras.kv_lens.get();
   p.window = extras.window;
+  p.softcap = extras.softcap;
 
   const std::string message = check(p);
   expect(check(p) == message, "check() is not deterministic");

@@ -216,8 +216,16 @@ def window_short_by(n):  # mode 2: kv_len - n
     return bytes([2]) + field(n)
 
 
-def extras(sinks=NO_SINKS, lens=NO_LENGTHS, fake=bytes([0]), place=bytes([0]), win=NO_WINDOW):
-    return sinks + lens + fake + place + win
+NO_SOFTCAP = bytes([0])
+
+
+def softcap(c):  # read_softcap()'s mode 1: the float itself (NaN, negative, +inf included)
+    return bytes([1]) + struct.pack("<f", c)
+
+
+def extras(sinks=NO_SINKS, lens=NO_LENGTHS, fake=bytes([0]), place=bytes([0]), win=NO_WINDOW,
+           cap=NO_SOFTCAP):
+    return sinks + lens + fake + place + win + cap
 
 
 def attention_seeds():
@@ -364,6 +372,29 @@ def attention_seeds():
                                                win=window(7)))
     s["window-nan-inf-inputs"] = (problem(1, 5, 30, 2, 1, 8, causal=True) + run +
                                   values(2, seed=66) + calls(ALL_CALLS, 1) + extras(win=window(4)))
+
+    # Soft-capping: prefill and a split decode with caps that matter, logits far past the cap
+    # (2^6 values: every logit saturates), NaN and Inf inputs, with sinks and a window, and the
+    # caps check() rejects (NaN, negative, below 2^-126, above 2^120) or takes as none (+inf).
+    s["softcap-prefill"] = (problem(1, 40, 40, 4, 2, 16, causal=True) + run + values(seed=70) +
+                            calls(ALL_CALLS, 9, 1) + extras(cap=softcap(0.5)))
+    s["softcap-decode-split-kv"] = (problem(1, 1, 1500, 4, 1, 8, k=HEAD, v=HEAD) + run +
+                                    values(seed=71) + calls(ALL_CALLS, 9, 1) +
+                                    extras(cap=softcap(2.0)))
+    s["softcap-saturated"] = (problem(2, 9, 30, 2, 1, 8, causal=True) + run +
+                              values(1, 6, seed=72) + calls(ALL_CALLS, 1) +
+                              extras(cap=softcap(3.0)))
+    s["softcap-nan-inf-inputs"] = (problem(1, 5, 30, 2, 1, 8, causal=True) + run +
+                                   values(2, seed=73) + calls(ALL_CALLS, 1) +
+                                   extras(cap=softcap(1.0)))
+    s["softcap-sinks-window-every-kernel"] = (
+        problem(1, 12, 50, 4, 2, 8, causal=True) + run + values(seed=74) +
+        calls(1 | EVERY_KERNEL, 0, 1) + extras(sinks_each(1, "-inf", -2, 0.5), win=window(9),
+                                               cap=softcap(0.75)))
+    for name, c in [("nan", float("nan")), ("negative", -1.0), ("tiny", 2.0**-127),
+                    ("huge", 2.0**121), ("inf", float("inf"))]:
+        s[f"softcap-{name}"] = (problem(1, 3, 5, 2, 1, 4) + run + values(seed=75) +
+                                calls(ALL_CALLS, 1) + extras(cap=softcap(c)))
 
     # check() rejections, one rule each.
     small = dict(b=1, lq=2, lk=3, h=2, hkv=1, d=4)

@@ -28,6 +28,8 @@
 // * Attention sinks (Problem::sinks, gpt-oss): a logit per query head that joins the
 //   softmax's denominator only, lse[b][h][i] = log(sum_j exp(s[j]) + exp(sinks[h])) and
 //   o = sum_j exp(s[j] - lse) v[j]; a row that sees no key gets o = 0 and lse = sinks[h].
+// * Logit soft-capping (Problem::softcap = c > 0, Gemma 2): each s[j] becomes c tanh(s[j] / c)
+//   before the softmax (the sinks are not capped); o and lse are those of the capped logits.
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.
@@ -45,6 +47,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <new>
 #include <stdexcept>
@@ -150,7 +153,21 @@ struct Problem {
   /// are rejected (check()); a window at least as long as every row's keys is no window, bit
   /// for bit.
   std::int64_t window = 0;
+  /// Logit soft-capping (Gemma 2: 50 in attention): 0 (none), or the cap c: every logit s =
+  /// scale q.k becomes c tanh(s / c) before the softmax, so |s| < c (an infinite logit becomes
+  /// +-c; NaN stays NaN). o and lse are those of the capped logits; sinks are not capped (they
+  /// are logits of the capped softmax as given). +inf is none too, bit for bit (the limit of c
+  /// tanh(s / c)). check() accepts 0, +inf and [2^-126, 2^120], so that the kernels' 1 / c,
+  /// c log2(e) and 44 c (past which tanh rounds to 1) stay normal and finite. Kernels evaluate tanh
+  /// to within 4 u c (u = 2^-24) of the capped logit of their computed s: mha::support::Softcap,
+  /// measured in property_tests/softcap_test.cpp; reference/tolerance.h counts it.
+  float softcap = 0.0f;
 };
+
+/// True when p soft-caps its logits (Problem::softcap finite and positive; 0 and +inf: none).
+inline bool soft_capped(const Problem& p) {
+  return p.softcap > 0.0f && p.softcap < std::numeric_limits<float>::infinity();
+}
 
 /// True when p has per-sequence lengths (Problem::q_lens or kv_lens).
 inline bool ragged(const Problem& p) { return p.q_lens != nullptr || p.kv_lens != nullptr; }
@@ -536,9 +553,17 @@ inline bool self_overlaps(const std::int64_t* extent, const std::int64_t* stride
 
 inline std::string str(std::int64_t v) { return std::to_string(v); }
 
+// A float as %g gives it (1e-40, nan, inf), where std::to_string would print 0.000000.
+inline std::string str_g(float v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", static_cast<double>(v));
+  return text;
+}
+
 }  // namespace detail
 
-/// Validates shapes, strides, scale, the window, the sinks' values and the sequences' lengths.
+/// Validates shapes, strides, scale, the window, the soft-cap, the sinks' values and the
+/// sequences' lengths.
 /// Returns an empty string when the problem is valid, otherwise one message naming the field and
 /// the constraint it breaks.
 inline std::string check(const Problem& p) {
@@ -615,6 +640,11 @@ inline std::string check(const Problem& p) {
 
   if (p.window < 0) {
     return "window (" + str(p.window) + ") must be >= 0 (0: no sliding window)";
+  }
+  if (p.softcap != 0.0f && p.softcap != std::numeric_limits<float>::infinity() &&
+      !(p.softcap >= 0x1p-126f && p.softcap <= 0x1p120f)) {
+    return "softcap (" + detail::str_g(p.softcap) +
+           ") must be 0 or +inf (none), or within [2^-126, 2^120]";
   }
 
   if (p.sinks != nullptr) {

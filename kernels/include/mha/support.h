@@ -91,6 +91,82 @@ inline constexpr float kExp2Taylor[8] = {
     1.52527338e-5f, 1.54035304e-4f, 1.33335581e-3f, 9.61812911e-3f,
     5.55041087e-2f, 2.40226507e-1f, 6.93147181e-1f, 1.0f};
 
+/// Logit soft-capping (Problem::softcap) in a kernel's logit units: x -> cap tanh(x / cap), with
+/// cap = c b rounded once for logits in units b (1: natural; log2(e): base 2, since
+/// b c tanh(s / c) = (c b) tanh(s b / (c b))). tanh |y| = (1 - e) / (1 + e) with e = 2^(-k |x|),
+/// k = 2 log2(e) / cap, and 2^z = 2^n 2^f as kernels/avx2/avx2_exp.h computes it (kExp2Taylor;
+/// n built in the exponent field). Small |y| lose relative accuracy in 1 - e but not absolute,
+/// which is what a logit's error is measured in.
+///
+/// Written without floating-point comparisons (integer ones on the bits), so that apply()'s
+/// loop vectorizes for the includer's ISA under GCC's default -ftrapping-math: |x| is clamped
+/// to `limit` = 126 / k (past it e < 2^-125.9 stays normal and tanh rounds to 1), so an
+/// infinite x gives +-cap; a NaN x is returned as it is; the sign is put back by its bit.
+/// Monotonic up to the last ulps only (the polynomial's segments meet within an ulp): a capped
+/// logit may exceed the cap of a larger one by that much, which a running max taken over capped
+/// maxima (cap(max s) for max cap(s)) tolerates: a weight of 2^(a few ulp) is as exact.
+///
+/// Measured: within 2.7 u cap of cap tanh(x / cap) for the rounded cap (u = 2^-24), and within
+/// 4 u c b of c b tanh(x / (c b)) with cap's rounding, with and without fused multiply-adds
+/// (property_tests/softcap_test.cpp); reference/tolerance.h allows the 4 u c.
+struct Softcap {
+  float cap = 0.0f;         ///< c b, 0 when p has no soft-cap
+  float k = 0.0f;           ///< 2 log2(e) / cap
+  std::uint32_t limit = 0;  ///< the bits of 126 / k
+
+  /// p's soft-cap (none: cap 0) for logits in units `units` (1 or kLog2e).
+  static Softcap of(const Problem& p, double units);
+
+  bool on() const { return cap != 0.0f; }
+
+  MHA_ALWAYS_INLINE float operator()(float x) const {
+    std::uint32_t xb, rb, limited;
+    std::memcpy(&xb, &x, sizeof xb);
+    const std::uint32_t ab = xb & 0x7FFFFFFFu;  // |x|; past 0x7F800000: NaN
+    const std::uint32_t below = 0u - static_cast<std::uint32_t>(ab < limit);
+    limited = (ab & below) | (limit & ~below);
+    float a;
+    std::memcpy(&a, &limited, sizeof a);
+    const float z = -k * a;             // in [-126 - 2^-17, 0]
+    const float shifter = 12583039.0f;  // 1.5 2^23 + 127: t's low bits hold n + 127
+    const float t = z + shifter;
+    const float f = z - (t - shifter);  // in [-1/2, 1/2], exact
+    float p = kExp2Taylor[0];
+    for (int i = 1; i < 8; ++i) p = p * f + kExp2Taylor[i];
+    std::uint32_t tb;
+    std::memcpy(&tb, &t, sizeof tb);
+    const std::uint32_t scale_bits = tb << 23;  // 2^n, n >= -127 (never below -127 here)
+    float scale;
+    std::memcpy(&scale, &scale_bits, sizeof scale);
+    const float e = p * scale;
+    const float r = cap * ((1.0f - e) / (1.0f + e));
+    std::memcpy(&rb, &r, sizeof rb);
+    rb |= xb & 0x80000000u;
+    const std::uint32_t nan = 0u - static_cast<std::uint32_t>(ab > 0x7F800000u);
+    const std::uint32_t out = (xb & nan) | (rb & ~nan);
+    float y;
+    std::memcpy(&y, &out, sizeof y);
+    return y;
+  }
+
+  /// s[j] = (*this)(s[j]) for j < n; a loop the compiler vectorizes for the caller's ISA when
+  /// it is inlined there (always: kernels call it from their target regions).
+  MHA_ALWAYS_INLINE void apply(float* s, std::int64_t n) const {
+    const Softcap c = *this;  // in registers: s may alias nothing the loop reads but itself
+    for (std::int64_t j = 0; j < n; ++j) s[j] = c(s[j]);
+  }
+};
+
+inline Softcap Softcap::of(const Problem& p, double units) {
+  Softcap c;
+  if (!soft_capped(p)) return c;
+  c.cap = static_cast<float>(static_cast<double>(p.softcap) * units);
+  c.k = static_cast<float>(2.0 * kLog2e / static_cast<double>(c.cap));
+  const auto limit = static_cast<float>(126.0 / static_cast<double>(c.k));
+  std::memcpy(&c.limit, &limit, sizeof limit);
+  return c;
+}
+
 constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
 constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t m) { return (n + m - 1) / m; }
 

@@ -11,7 +11,7 @@
 //     for each KV tile of Bc = kKeys keys some row of the block sees:
 //       pack K^T into panels Kp[panel][d][P]                             K::pack_k
 //       S = scale log2(e) Q K^T, K panel by K panel, each panel reused   tile_logits,
-//         by every group from L1                                         K::logits_tile<MR>
+//         by every group from L1; soft-capped with Problem::softcap      K::logits_tile<MR>
 //       online softmax in base 2 per row                                 K::online_softmax
 //       pack V into column panels Vp[panel][key][P]                      K::pack_v
 //       O = alpha O + P V, V panel by V panel                            tile_pv, K::pv_tile<MR>
@@ -23,6 +23,7 @@
 //     for each tile of support::decode_tile_keys keys, the next one prefetched:
 //       for each row that sees a key of the tile:
 //         S, a few keys at a time, a prefetch step after each            K::decode_logits
+//           (soft-capped after, with Problem::softcap)                   cap_row
 //         online softmax, base 2: m, alpha, P = 2^(S - m), l             K::decode_weights
 //         O = alpha O + P V                                              K::decode_pv
 //     o = O / l, lse = (m + log2 l) ln2                                  K::finish_row
@@ -190,6 +191,20 @@ struct Loops {
     return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
   }
 
+  // Problem::softcap in base-2 units (off without one).
+  static mha::support::Softcap softcap(const mha::Problem& p) {
+    return mha::support::Softcap::of(p, mha::support::kLog2e);
+  }
+
+  // A decode row's `cols` logits in w soft-capped in place, and their max `most` (ignoring
+  // NaN) with them: the max of the capped logits.
+  static MHA_ALWAYS_INLINE float cap_row(const mha::support::Softcap& cap, float* w,
+                                         std::int64_t cols, float most) {
+    if (!cap.on()) return most;
+    cap.apply(w, cols);
+    return cap(most);
+  }
+
   // ---- Prefill ------------------------------------------------------------------------
 
   // The arrays in the caller's workspace, sized for the largest block (R = g x Br rows; RM
@@ -273,9 +288,11 @@ struct Loops {
   }
 
   // S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1;
-  // rowmax takes each row's lane maxima. Steps v_ahead once per microkernel call.
+  // rowmax takes each row's lane maxima; then soft-capped by `cap` (base-2 units) if on.
+  // Steps v_ahead once per microkernel call.
   static void tile_logits(const mha::Problem& p, const Block& block, std::int64_t keys, float c,
-                          const Scratch& s, RowPrefetch& v_ahead) {
+                          const mha::support::Softcap& cap, const Scratch& s,
+                          RowPrefetch& v_ahead) {
     const std::int64_t panel = K::panel(), lanes = K::lanes();
     std::fill(s.rowmax, s.rowmax + lanes * padded_rows(block.rows), neg_inf());
     for (std::int64_t j0 = 0; j0 < keys; j0 += panel) {
@@ -314,6 +331,20 @@ struct Loops {
       float* lane = s.rowmax + lanes * t;
       std::fill(lane, lane + lanes, neg_inf());
       lane[0] = most;
+    }
+    // Soft-capping: each row's logits capped in place, and its max with them, in lane 0 (the
+    // cap is monotonic: the cap of the max is the max of the caps, to the last ulps that
+    // mha::support::Softcap gives). Masked logits stay -inf, out of the weights.
+    if (cap.on()) {
+      for (std::int64_t t = 0; t < block.rows; ++t) {
+        if (s.cols[t] == 0) continue;
+        cap.apply(s.s + t * kKeys + s.first[t], s.cols[t] - s.first[t]);
+        float* lane = s.rowmax + lanes * t;
+        float most = lane[0];  // no lane is NaN
+        for (std::int64_t w = 1; w < lanes; ++w) most = lane[w] > most ? lane[w] : most;
+        std::fill(lane, lane + lanes, neg_inf());
+        lane[0] = cap(most);
+      }
     }
   }
 
@@ -407,6 +438,7 @@ struct Loops {
                       float* lse, mha::Workspace ws) {
     const std::int64_t dim = p.head_dim, panel = K::panel();
     const float c = logit_scale(p);
+    const mha::support::Softcap cap = softcap(p);
     Carve workspace(ws.data);
     const Scratch s = carve(p, workspace);
     mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
@@ -444,7 +476,7 @@ struct Loops {
         std::int64_t seq = 0;
         tile_rows(p, k_head, p.k, p.k_scale, c0, keys, s.wide, &rows, &seq);
         K::pack_k(rows, seq, keys, dim, s.kp);
-        tile_logits(p, block, keys, c, s, v_ahead);
+        tile_logits(p, block, keys, c, cap, s, v_ahead);
         tile_softmax(block, s);
         tile_rows(p, v_head, p.v, p.v_scale, c0, keys, s.wide, &rows, &seq);
         K::pack_v(rows, seq, keys, dim, s.vp);
@@ -523,6 +555,7 @@ struct Loops {
     const DecodeScratch s = carve_decode(p, workspace);
     const std::int64_t tile_keys = s.tile_keys;
     const float c = logit_scale(p);
+    const mha::support::Softcap cap = softcap(p);
     // Prefetch steps per tile: one per kDotKeys keys of every row's S.
     const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
 
@@ -563,8 +596,10 @@ struct Loops {
           const std::int64_t first = block.tile_first_seen(p, t, c0, keys);
           const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys) - first;
           if (cols == 0) continue;
-          const float tile_max = K::decode_logits(block.q_row(p, q, t), k_tile + first * p.k.seq,
-                                                  p.k.seq, cols, dim, c, s.weights, prefetch_step);
+          const float tile_max =
+              cap_row(cap, s.weights, cols,
+                      K::decode_logits(block.q_row(p, q, t), k_tile + first * p.k.seq, p.k.seq,
+                                       cols, dim, c, s.weights, prefetch_step));
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
@@ -599,6 +634,7 @@ struct Loops {
     const DecodeScratch s = carve_decode(p, workspace);
     const std::int64_t tile_keys = s.tile_keys;
     const float c = logit_scale(p);
+    const mha::support::Softcap cap = softcap(p);
     const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
     constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
     const std::int64_t k_bytes = p.k.seq * kBytes, v_bytes = p.v.seq * kBytes, row = dim * kBytes;
@@ -659,6 +695,7 @@ struct Loops {
             tile_max = K::decode_logits(block.q_row(p, q, t), s.k_wide + first * dim, dim, cols,
                                         dim, c, s.weights, prefetch_step);
           }
+          tile_max = cap_row(cap, s.weights, cols, tile_max);
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
@@ -693,6 +730,7 @@ struct Loops {
                 cols, dim, c, s.weights, s.ldw, tile_max, prefetch_step);
             for (int r = 0; r < R; ++r) {
               const std::int64_t t = t0 + r * p.q_len;
+              tile_max[r] = cap_row(cap, s.weights + r * s.ldw, cols, tile_max[r]);
               alpha[r] = 1.0f;
               if (tile_max[r] > ms[t]) {
                 alpha[r] = std::exp2(ms[t] - tile_max[r]);  // 0 when the old max is -inf
