@@ -2,8 +2,9 @@
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
 // Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>
-// [/kv:<f16|bf16|i8>][/sinks:1][/window:<w>]/threads:<n>. /sinks:1: with attention sinks
-// (Problem::sinks, sink_logits below); /window:<w>: a sliding window of w keys (Problem::window).
+// [/kv:<f16|bf16|i8>][/sinks:1][/window:<w>][/softcap:<c>]/threads:<n>. /sinks:1: with
+// attention sinks (Problem::sinks, sink_logits below); /window:<w>: a sliding window of w keys
+// (Problem::window); /softcap:<c>: logits soft-capped at c (Problem::softcap).
 // Family ragged: a decode step of B sequences whose caches hold different numbers of keys
 // (Problem::kv_lens, ragged_lengths below), Lk their capacity. Counters: GFLOPS, peak_frac; decode
 // also GBps, kv_bytes, bw_frac; a reduced KV type also kv_err_max, kv_err_rms (docs/benchmarks.md).
@@ -100,6 +101,7 @@ struct Shape {
   // A variant's plain twin that no other comparison needs: the registry kernels alone (no
   // composed baselines, no peers), for the variant's time over the same kernel's without it.
   bool kernels_only = false;
+  float softcap = 0.0f;  // logit soft-capping (Problem::softcap): "/softcap:<c>" unless 0
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
@@ -108,8 +110,9 @@ struct Shape {
        << "/D:" << dim << "/causal:" << causal
        << (kv == KvType::f32 ? "" : std::string("/kv:") + kv_type_name(kv))
        << (sinks ? "/sinks:1" : "")
-       << (window > 0 ? "/window:" + std::to_string(window) : std::string())
-       << "/threads:" << threads;
+       << (window > 0 ? "/window:" + std::to_string(window) : std::string());
+    if (softcap > 0.0f) os << "/softcap:" << softcap;  // as %g: 20, 50, 0.5
+    os << "/threads:" << threads;
     return os.str();
   }
   // One query row per query head: a KV cache, head-major.
@@ -142,6 +145,7 @@ const std::vector<std::int64_t>& ragged_lengths(std::int64_t batch, std::int64_t
 }
 
 std::vector<Shape> shapes(Size size, int cores) {
+  constexpr float kSoftcap = 20.0f;  // the benchmarks' soft-cap (Problem::softcap)
   std::vector<Shape> out;
   // Every shape on one thread and, through the driver, on every core.
   const auto add = [&](const char* family, std::int64_t h, std::int64_t hkv, std::int64_t lq,
@@ -161,6 +165,9 @@ std::vector<Shape> shapes(Size size, int cores) {
     out.push_back({"prefill", 1, 4, 2, 128, 128, 64, true, 1, "", KvType::f32, true});
     out.push_back({"prefill", 1, 4, 2, 256, 256, 64, true, 1, "", KvType::f32, false, 64});
     out.push_back({"decode", 1, 4, 2, 1, 512, 64, true, 1, "", KvType::f32, false, 128});
+    Shape capped{"prefill", 1, 4, 2, 128, 128, 64, true, 1};
+    capped.softcap = kSoftcap;
+    out.push_back(capped);
     for (KvType kv : kReduced) {
       add("decode", 4, 2, 1, 512, 64, true, kv);
       add("prefill", 4, 2, 128, 128, 64, true, kv);
@@ -179,6 +186,16 @@ std::vector<Shape> shapes(Size size, int cores) {
   for (int threads : {1, cores}) {
     if (threads > 1 && cores == 1) break;
     out.push_back({"prefill", 1, 32, 8, 2048, 2048, 128, true, threads, "", KvType::f32, true});
+  }
+  // Logit soft-capping (Gemma 2) on the main causal prefill shape, beside the same without: a
+  // cap of 20 on the inputs' logits (reference/sensitive.h: big keys 16, dominant ones 20)
+  // takes the dominant key from e^4 big keys' weight to e^1.9, so an output that ignored it
+  // would fail the check.
+  for (int threads : {1, cores}) {
+    if (threads > 1 && cores == 1) break;
+    Shape capped{"prefill", 1, 32, 8, 2048, 2048, 128, true, threads};
+    capped.softcap = kSoftcap;
+    out.push_back(capped);
   }
   // Sliding windows (Mistral, Gemma's local layers, gpt-oss): a long causal prefill with a
   // window of 1024 and a decode step over a 32768-key cache with a window of 4096, each beside
@@ -464,6 +481,7 @@ Problem workspace_problem(const Shape& s) {
   }
   if (s.family == "ragged") p.kv_lens = ragged_lengths(s.batch, s.kv_len).data();
   p.window = s.window;
+  p.softcap = s.softcap;
   if (s.sinks) {
     Shape key = s;
     key.caches.clear();
@@ -1313,7 +1331,8 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
         if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
-        const bool variant = s.family == "ragged" || s.sinks || s.window > 0 || s.kernels_only;
+        const bool variant =
+            s.family == "ragged" || s.sinks || s.window > 0 || s.softcap > 0.0f || s.kernels_only;
         if (variant && !impl.variants) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),

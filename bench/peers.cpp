@@ -51,8 +51,9 @@ std::string problem_fields(const Problem& p) {
     os << " sinks=";
     for (std::int64_t h = 0; h < p.q_heads; ++h) os << (h > 0 ? "," : "") << p.sinks[h];
   }
-  if (p.window > 0) os << " window=" << p.window;  // a sliding window of that many keys
-  if (p.kv_lens != nullptr) {                      // a ragged batch: each sequence's keys
+  if (p.window > 0) os << " window=" << p.window;      // a sliding window of that many keys
+  if (soft_capped(p)) os << " softcap=" << p.softcap;  // logits capped at c tanh(s / c)
+  if (p.kv_lens != nullptr) {                          // a ragged batch: each sequence's keys
     os << " kv_lens=";
     for (std::int64_t b = 0; b < p.batch; ++b) os << (b > 0 ? "," : "") << p.kv_lens[b];
   }

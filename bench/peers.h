@@ -29,7 +29,9 @@
 //   l_b keys (bottom-right causal on its own length), kv_len the tensors' capacity.
 //   Attention sinks (Problem::sinks) add sinks=<s0>,<s1>,...: one logit per query head that
 //   joins its softmax's denominator only. A sliding window (Problem::window) adds window=<w>:
-//   a row sees the w most recent of the keys it sees without it.
+//   a row sees the w most recent of the keys it sees without it. Logit soft-capping
+//   (Problem::softcap) adds softcap=<c>: every logit s (scale q.k) becomes c tanh(s / c) before
+//   the softmax; sinks are not capped.
 //   <paths>: comma-separated files, one per copy of the tensor (decode rotates over copies).
 //   <gemm>: m= n= k=, for C[m][n] = A[m][k] B[k][n]; <path>: one file, one copy.
 //   <layer>: batch= d= heads= kv_heads= head_dim= n= past= causal=0|1 bias=0|1, the whole

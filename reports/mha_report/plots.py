@@ -71,12 +71,19 @@ def _legend(fig: plt.Figure, ax: Axes) -> None:
         fig.legend(handles, labels, loc="outside right center", fontsize=8, frameon=False)
 
 
+def _plain(s: Shape) -> bool:
+    """Without an attention variant (sinks, a sliding window, a soft-cap): the variants have a
+    section of their own, and a variant's point beside its plain twin would fold a sweep back
+    on itself."""
+    return not s.sinks and not s.window and not s.softcap
+
+
 def _sweep(results: Results, keep: Callable[[Shape], bool], fixed: Callable[[Shape], tuple],
            varied: Callable[[Shape], object]) -> tuple[tuple, list[Shape]] | None:
     """The 1-thread shapes that `keep` selects, at the value of `fixed` (the sweep's fixed
     parameters) where `varied` takes the most values (ties: the largest value, e.g. the most
     heads); None unless it takes at least two."""
-    shapes = [s for s in results.shapes() if s.threads == 1 and keep(s)]
+    shapes = [s for s in results.shapes() if s.threads == 1 and _plain(s) and keep(s)]
     spans: dict[tuple, set] = {}
     for s in shapes:
         spans.setdefault(fixed(s), set()).add(varied(s))
@@ -211,7 +218,7 @@ def heads_sweep(results: Results, path: Path) -> Path | None:
 
 def roofline(results: Results, path: Path) -> Path | None:
     """How close is every result to the roof of its arithmetic intensity?"""
-    shapes = [s for s in results.shapes() if s.threads == 1 and s.kv == "f32"]
+    shapes = [s for s in results.shapes() if s.threads == 1 and s.kv == "f32" and _plain(s)]
     if not shapes:
         return None
     fig, ax = plt.subplots(figsize=(11, 5.2), layout="constrained")

@@ -1,11 +1,13 @@
 """Benchmark results as mha_bench writes them (Google Benchmark JSON), parsed into runs.
 
 A run's name is ``<family>/<impl>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<c>
-[/kv:<type>][/sinks:1][/window:<w>]/threads:<n>`` (``/sinks:1``: with attention sinks;
-``/window:<w>``: a sliding window of w keys) with Google Benchmark's ``/real_time`` (kernels, baselines) or ``/manual_time``
-(peers, timed in their own process) after it. With ``--rounds=N`` the same name appears N
-times, in the order the rounds ran: the k-th occurrence of every name of a shape belongs to
-round k, so implementations of one shape pair up round by round.
+[/kv:<type>][/sinks:1][/window:<w>][/softcap:<cap>]/threads:<n>`` (``/sinks:1``: with attention
+sinks; ``/window:<w>``: a sliding window of w keys; ``/softcap:<cap>``: logits soft-capped at
+cap, a float as C++ streams it: ``20``, ``0.5``, ``1e-05``) with Google Benchmark's
+``/real_time`` (kernels, baselines) or ``/manual_time`` (peers, timed in their own process)
+after it. With ``--rounds=N`` the same name appears N times, in the order the rounds ran: the
+k-th occurrence of every name of a shape belongs to round k, so implementations of one shape
+pair up round by round.
 
 Two more families measure what surrounds attention (bench/layer_bench.h):
 
@@ -41,7 +43,7 @@ NAME = re.compile(
     r"^(?P<family>[a-z]+)/(?P<impl>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)/Hkv:(?P<kv_heads>\d+)"
     r"/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)/causal:(?P<causal>[01])"
     r"(?:/kv:(?P<kv>f16|bf16|i8))?(?P<sinks>/sinks:1)?(?:/window:(?P<window>\d+))?"
-    r"/threads:(?P<threads>\d+)"
+    r"(?:/softcap:(?P<softcap>\d+(?:\.\d*)?(?:e[+-]\d+)?))?/threads:(?P<threads>\d+)"
     r"(?:/(?:real|manual)_time)?$")
 CLIFF_NAME = re.compile(
     r"^cliffs/(?P<impl>[^/]+)/caches:(?P<caches>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)"
@@ -93,13 +95,15 @@ class Shape:
     kv: str = "f32"  # K and V as stored: f32, f16, bf16 or i8 ("/kv:<type>" unless f32)
     sinks: bool = False  # attention sinks ("/sinks:1")
     window: int = 0  # a sliding window of that many keys ("/window:<w>" unless 0)
+    softcap: float = 0.0  # logits soft-capped at this ("/softcap:<c>" unless 0: none)
 
     def name(self, impl: str = "*") -> str:
         kv = "" if self.kv == "f32" else f"/kv:{self.kv}"
         return (f"{self.family}/{impl}/B:{self.batch}/H:{self.heads}/Hkv:{self.kv_heads}"
                 f"/Lq:{self.q_len}/Lk:{self.kv_len}/D:{self.dim}/causal:{int(self.causal)}"
                 f"{kv}{'/sinks:1' if self.sinks else ''}"
-                f"{f'/window:{self.window}' if self.window else ''}/threads:{self.threads}")
+                f"{f'/window:{self.window}' if self.window else ''}"
+                f"{f'/softcap:{self.softcap:g}' if self.softcap else ''}/threads:{self.threads}")
 
     @property
     def decode(self) -> bool:
@@ -119,7 +123,8 @@ class Shape:
                       else f"Lq={self.q_len} Lk={self.kv_len}")
         batch = f"B={self.batch} " if self.batch != 1 else ""
         kv = (("" if self.kv == "f32" else f" KV {self.kv}") + (" sinks" if self.sinks else "")
-              + (f" window {self.window}" if self.window else ""))
+              + (f" window {self.window}" if self.window else "")
+              + (f" softcap {self.softcap:g}" if self.softcap else ""))
         return (f"{batch}H={self.heads} Hkv={self.kv_heads} {length} D={self.dim}"
                 f"{' causal' if self.causal and not self.decode else ''}{kv}, "
                 f"{self.threads} thread{'s' if self.threads > 1 else ''}")
@@ -376,7 +381,7 @@ def parse_name(name: str) -> tuple[AnyShape, str] | None:
         return Shape(g["family"], int(g["batch"]), int(g["heads"]), int(g["kv_heads"]),
                      int(g["q_len"]), int(g["kv_len"]), int(g["dim"]), g["causal"] == "1",
                      int(g["threads"]), g["kv"] or "f32", g["sinks"] is not None,
-                     int(g["window"] or 0)), g["impl"]
+                     int(g["window"] or 0), float(g["softcap"] or 0.0)), g["impl"]
     return None
 
 

@@ -60,6 +60,17 @@ def test_the_name_grammar() -> None:
     assert impl == "avx512" and shape.sinks and shape.window == 4096 and shape.threads == 2
     assert shape.name("x").endswith("/causal:1/sinks:1/window:4096/threads:2")
     assert "window 4096" in shape.label() and shape.kv_bytes() == 2 * 8 * 4096 * 128 * 4
+    # A soft-cap is a float as C++ streams it (%g), and its name comes back the same.
+    prefill = "prefill/avx2/B:1/H:32/Hkv:8/Lq:2048/Lk:2048/D:128/causal:1"
+    for text, cap in (("20", 20.0), ("0.5", 0.5), ("1e-05", 1e-5), ("1.5e+07", 1.5e7)):
+        name = f"{prefill}/softcap:{text}/threads:1"
+        shape, impl = res.parse_name(name + "/real_time")
+        assert impl == "avx2" and shape.softcap == cap and shape.name(impl) == name
+        assert f" softcap {text}," in shape.label()
+    shape, _ = res.parse_name(f"{prefill}/window:64/softcap:20/threads:2")
+    assert shape.window == 64 and shape.softcap == 20.0 and shape.threads == 2
+    assert res.parse_name(f"{prefill}/softcap:/threads:1") is None
+    assert res.parse_name(f"{prefill}/softcap:20/window:64/threads:1") is None  # out of order
 
 
 def test_aggregates_are_skipped_and_errors_kept(raw: dict) -> None:
@@ -192,8 +203,8 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def with_variant(raw: dict, keep: Callable[[res.Shape, str], bool], tag: str, factor: float,
                  **counters: float) -> dict:
     """The fixture plus, for every run that `keep` picks (by shape and implementation), the
-    same run with `tag` ("/kv:f16", "/window:64") before "/threads:" in its name, taking
-    `factor` of its time, with `counters` added."""
+    same run with `tag` ("/kv:f16", "/window:64", "/softcap:20") before "/threads:" in its
+    name, taking `factor` of its time, with `counters` added."""
     data = copy.deepcopy(raw)
     extra = []
     for b in iterations(data):
@@ -267,3 +278,38 @@ def test_variant_rows_pair_each_variant_with_its_plain_twin(raw: dict, tmp_path:
     assert all(r.plain.impl is None for r in rows if r.shape.family == "ragged")
     text = build(run, tmp_path).markdown()
     assert "Attention variants" in text and "window 64" in text
+
+
+def with_softcap(raw: dict, factor: float) -> dict:
+    """Every run of a plain causal prefill shape again with its logits soft-capped at 20; of
+    the peers only the ONNX Runtime ones (PyTorch's and OpenVINO's cannot express the cap)."""
+    def keep(shape: res.Shape, impl: str) -> bool:
+        return (shape.family == "prefill" and shape.causal and shape.kv == "f32"
+                and (not res.is_peer(impl) or impl in ("peer-ort-gqa", "peer-ort-attention")))
+    return with_variant(raw, keep, "/softcap:20", factor)
+
+
+def test_softcap_rows_pair_with_their_plain_twin(raw: dict, tmp_path: Path) -> None:
+    data = with_softcap(raw, 1.1)
+    capped = [b["name"] for b in iterations(data) if "/softcap:" in b["name"]]
+    assert capped
+    for name in capped:
+        shape, impl = res.parse_name(name)
+        assert shape.softcap == 20.0
+        assert shape.name(impl) == name.replace("/real_time", "").replace("/manual_time", "")
+    run = res.parse(data)
+    rows = [r for r in stats.variant_rows(run) if r.shape.softcap]
+    assert rows and all(r.variant == "softcap 20" for r in rows)
+    for r in rows:
+        plain = replace(r.shape, softcap=0.0)
+        assert r.plain.impl == r.kernel.impl and r.vs_plain is not None
+        assert r.vs_plain.median == pytest.approx(1.1)
+        assert r.plain.ms.median == pytest.approx(
+            statistics.median(run.times(plain, r.kernel.impl)) * 1e3)
+        assert r.peer.impl in ("peer-ort-gqa", "peer-ort-attention")
+    text = build(run, tmp_path).markdown()
+    assert "Attention variants" in text and "soft-capping" in text
+    for r in rows:
+        plain = replace(r.shape, softcap=0.0)
+        assert (f"| {r.shape.family} {plain.label()} | softcap 20 | `{r.kernel.impl}` | "
+                f"{r.kernel.ms.text(3)} | {r.plain.ms.text(3)} | {r.vs_plain.text(3)} |") in text

@@ -55,10 +55,13 @@ class Peer(Framework):
     kv_types: tuple[str, ...] = ("f32",)
     # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys),
     # attention sinks (Problem.sinks) and a sliding window that cuts some row's keys
-    # (Problem.window; one every row shares comes sliced off by the server: Problem.sliced).
+    # (Problem.window; one every row shares comes sliced off by the server: Problem.sliced),
+    # and logit soft-capping (Problem.softcap: c tanh(s / c) of each scaled logit, the sinks
+    # not capped).
     ragged = False
     sinks = False
     window = False
+    softcap = False
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.kv_type not in self.kv_types:
@@ -69,6 +72,8 @@ class Peer(Framework):
             return f"attention sinks: {self.name} takes none"
         if 0 < p.window < p.kv_len and not self.window:
             return f"a sliding window: {self.name} takes none"
+        if p.soft_capped and not self.softcap:
+            return f"logit soft-capping: {self.name} takes none"
         return p.why_unsupported()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -126,7 +131,8 @@ class TorchSdpa(Peer):
     through a boolean mask, since is_causal aligns top-left. K and V in f16 or bf16 are read
     in place as torch.float16 or torch.bfloat16; SDPA takes q in the same type (converted
     once, at prepare: mha_bench gives q rounded to it, so exactly) and returns its output in
-    it."""
+    it. SDPA has no soft-cap: a capped problem is not this peer's (flex_attention's score_mod
+    could express it, through torch.compile only)."""
 
     how = (
         "layout: [B, H, L, D] views, no copy; GQA: enable_gqa; mask: is_causal (Lq = Lk), "
@@ -255,19 +261,29 @@ class _Ort(Peer):
         return self.ort.OrtValue.ortvalue_from_numpy(x)
 
 
+def softcap_attribute(p: Problem) -> dict[str, float]:
+    """The softcap attribute of ONNX's Attention and ONNX Runtime's GroupQueryAttention for a
+    soft-capped problem (both cap the scaled logit s as c tanh(s / c), the sinks not); none
+    for another, whose node then carries no softcap attribute."""
+    return dict(softcap=p.softcap) if p.soft_capped else {}
+
+
 class OrtAttention(_Ort):
     """ONNX's Attention operator (opset 23) in ONNX Runtime's CPU provider: 3D token-major
     inputs [B, L, H*D] for prefill, 4D head-major [B, H, L, D] when the KV cache is
     head-major (decode); q_num_heads/kv_num_heads for GQA; is_causal (top-left) when
-    q_len == kv_len, a boolean mask for bottom-right causal or a sliding window otherwise."""
+    q_len == kv_len, a boolean mask for bottom-right causal or a sliding window otherwise;
+    soft-capping through its softcap attribute, which caps the scaled logits before the mask
+    (the peer test checks it against the formula)."""
 
     how = (
         "ONNX Attention (opset 23): 3D token-major (prefill) or 4D head-major (decode); mask:"
-        " is_causal (Lq = Lk), else boolean (bottom-right causal, sliding windows); fused "
-        "path: none in the CPU provider (GEMM, softmax, GEMM)")
+        " is_causal (Lq = Lk), else boolean (bottom-right causal, sliding windows); soft-cap:"
+        " its softcap attribute; fused path: none in the CPU provider (GEMM, softmax, GEMM)")
 
     name = "peer-ort-attention"
     window = True
+    softcap = True
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         four_d = is_head_major(t.k[0]) or is_head_major(t.v[0])
@@ -282,7 +298,7 @@ class OrtAttention(_Ort):
             names.append("attn_mask")
             feeds.append([self.value(p.visible())])
         attrs = dict(q_num_heads=p.q_heads, kv_num_heads=p.kv_heads, scale=p.scale,
-                     is_causal=int(p.mask is Mask.CAUSAL))
+                     is_causal=int(p.mask is Mask.CAUSAL), **softcap_attribute(p))
         shape = ((p.batch, p.q_heads, p.q_len, p.head_dim) if four_d
                  else (p.batch, p.q_len, p.q_heads * p.head_dim))
         self.four_d = four_d
@@ -341,7 +357,8 @@ class OrtAttentionGrouped(_Grouped, OrtAttention):
         q = [as_token_major(x).reshape(b, hkv, g, d) for x in t.q]
         inputs = [q] + [[as_head_major(x) for x in xs] for xs in (t.k, t.v)]
         feeds = [[self.value(x) for x in xs] for xs in inputs]
-        attrs = dict(q_num_heads=hkv, kv_num_heads=hkv, scale=p.scale, is_causal=0)
+        attrs = dict(q_num_heads=hkv, kv_num_heads=hkv, scale=p.scale, is_causal=0,
+                     **softcap_attribute(p))
         return self.attention_call(["Q", "K", "V"], feeds, attrs, (b, hkv, g, d), threads,
                                    t.copies)
 
@@ -360,17 +377,20 @@ class OrtGqa(_Ort):
     form: seqlens_k[b] = kv_lens[b] - 1 per sequence, the new token of sequence b its row
     kv_lens[b] - 1, total_sequence_length the cache's capacity. Attention sinks through its
     head_sink input (ONNX Runtime 1.22 and later); a sliding window of w keys through
-    local_window_size = w (so in 1.32: w - 1 and w + 1 fail the peer test)."""
+    local_window_size = w (so in 1.32: w - 1 and w + 1 fail the peer test). Soft-capping
+    through its softcap attribute: c tanh(s / c) of the scaled logit, the sinks uncapped (as
+    the project's contract; the peer test tells both apart)."""
 
     how = (
         "com.microsoft GroupQueryAttention, fused, always causal; decode through its shared "
         "past/present KV buffer; ragged decode batches through seqlens_k; sinks through "
-        "head_sink; sliding windows through local_window_size")
+        "head_sink; sliding windows through local_window_size; soft-cap through softcap")
 
     name = "peer-ort-gqa"
     ragged = True
     sinks = True
     window = True
+    softcap = True
 
     def why_unsupported(self, p: Problem) -> str | None:
         if not p.causal:
@@ -429,7 +449,7 @@ class OrtGqa(_Ort):
         node = helper.make_node(
             "GroupQueryAttention", inputs, ["O", "present_key", "present_value"],
             domain="com.microsoft", num_heads=p.q_heads, kv_num_heads=hkv, scale=p.scale,
-            **window)
+            **window, **softcap_attribute(p))
         graph = helper.make_graph(
             [node], "gqa",
             [helper.make_tensor_value_info(n, ty, s) for n, ty, s in zip(names, types, shapes)],
@@ -463,7 +483,9 @@ class OpenVinoSdpa(Peer):
     Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D] (broadcast over the g query heads
     of a group), the reshapes and transposes from the tensors' layouts inside the model,
     causal (top-left) when q_len == kv_len, a boolean mask otherwise (bottom-right causal, a
-    sliding window; a ragged batch's: [B, 1, 1, Lq, Lk])."""
+    sliding window; a ragged batch's: [B, 1, 1, Lq, Lk]). The operator has no soft-cap, nor
+    has any fused node of the 2026.4 CPU plugin: a capped problem is not an OpenVINO peer's
+    (its ONNX frontend decomposes Attention's softcap into Div, Tanh, Mul)."""
 
     how = (
         "opset13 SDPA, plain model: Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D]; "

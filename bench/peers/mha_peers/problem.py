@@ -6,11 +6,14 @@ causal masking aligned bottom-right (query ``i`` sees keys ``j <= i + kv_len - q
 ragged batch (``kv_lens``) gives each sequence ``b`` its own first ``kv_lens[b]`` keys, the
 causal rule bottom-right on that length; ``kv_len`` is the tensors' capacity. Attention sinks
 (``sinks``, one logit per query head) join each head's softmax denominator only. A sliding
-window (``window``, 0 none) keeps the ``window`` most recent of the keys a row sees.
+window (``window``, 0 none) keeps the ``window`` most recent of the keys a row sees. Logit
+soft-capping (``softcap`` = c, 0 or +inf none) turns every logit s = scale q.k into
+c tanh(s / c) before the softmax; the sinks are not capped.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from dataclasses import dataclass, field, replace
@@ -60,6 +63,19 @@ class Problem:
     sinks: tuple[float, ...] | None = None
     # A sliding window: the most keys a row sees (mha::Problem::window), 0 for none.
     window: int = 0
+    # Logit soft-capping (mha::Problem::softcap): the cap c, 0 (or +inf) for none.
+    softcap: float = 0.0
+
+    @property
+    def soft_capped(self) -> bool:
+        """Whether the logits are capped (mha::soft_capped: softcap finite and positive)."""
+        return 0.0 < self.softcap < math.inf
+
+    def capped(self, s: np.ndarray) -> np.ndarray:
+        """The logits s as the softmax takes them: c tanh(s / c) when soft-capped, else s."""
+        if not self.soft_capped:
+            return s
+        return self.softcap * np.tanh(s / self.softcap)
 
     @property
     def group(self) -> int:
@@ -160,6 +176,7 @@ class Problem:
             sinks=(tuple(float(x) for x in fields["sinks"].split(","))
                    if "sinks" in fields else None),
             window=int(fields.get("window", "0")),
+            softcap=float(fields.get("softcap", "0")),
         )
 
     def sliced(self) -> "Problem":
@@ -303,7 +320,7 @@ def attention(p: Problem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
     qh = q.transpose(0, 2, 1, 3).astype(np.float64)
     kh = np.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
     vh = np.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
-    s = p.scale * (qh @ kh.transpose(0, 1, 3, 2))
+    s = p.capped(p.scale * (qh @ kh.transpose(0, 1, 3, 2)))  # capped before masking
     s = np.where(p.sequences_visible(), s, -np.inf)
     sink = (np.array(p.sinks, dtype=np.float64)[None, :, None, None] if p.sinks is not None
             else np.full((1, p.q_heads, 1, 1), -np.inf))

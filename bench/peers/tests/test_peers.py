@@ -29,18 +29,21 @@ from mha_peers.server import Server, serve
 def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int,
                  causal: bool, kv_head_major: bool = False, pad: int = 0,
                  kv_lens: tuple[int, ...] | None = None,
-                 sinks: tuple[float, ...] | None = None, window: int = 0) -> Problem:
-    """Token-major q and o; k and v token- or head-major; `pad` floats after every row."""
+                 sinks: tuple[float, ...] | None = None, window: int = 0,
+                 softcap: float = 0.0, logits: float = 1.0) -> Problem:
+    """Token-major q and o; k and v token- or head-major; `pad` floats after every row; the
+    scale `logits` / sqrt(dim), logits times the usual (inputs in [-1, 1] give logits of
+    about 1/3 times `logits`)."""
     def strides(length: int, h: int, head_major: bool) -> tuple[int, int, int]:
         row = dim + pad
         if head_major:
             return (h * length * row, row, length * row)
         return (length * h * row, h * row, row)
 
-    return Problem(batch, q_len, kv_len, heads, kv_heads, dim, causal, 1 / math.sqrt(dim),
+    return Problem(batch, q_len, kv_len, heads, kv_heads, dim, causal, logits / math.sqrt(dim),
                    strides(q_len, heads, False), strides(kv_len, kv_heads, kv_head_major),
                    strides(kv_len, kv_heads, kv_head_major), strides(q_len, heads, False),
-                   kv_lens=kv_lens, sinks=sinks, window=window)
+                   kv_lens=kv_lens, sinks=sinks, window=window, softcap=softcap)
 
 
 def extent(p: Problem, length: int, heads: int, strides: tuple[int, int, int]) -> int:
@@ -60,14 +63,21 @@ def buffers(p: Problem, rng: np.random.Generator, copies: int = 1):
 
 
 def error_bound(p: Problem) -> float:
-    """|o - exact| for inputs in [-1, 1], u = 2^-24: logits err by e_s = (D + 1) sqrt(D) u
-    (the fp32 dot product and the scaling); each weight exp(s - max) relatively by 2 e_s,
-    u for the subtraction, 16 u for an exp within 8 ulp (the peers' bound in bench/main.cpp)
-    and 3 u per key for an online softmax that rescales at every key (the worst blocking);
-    the output by twice the weights' error plus the two sums of n terms and the division."""
+    """|o - exact| for inputs in [-1, 1], u = 2^-24: logits err by e_s = (D + 1) D scale u
+    (the fp32 dot product and the scaling; (D + 1) sqrt(D) u at the usual scale), a capped
+    logit by no more (c tanh(s / c) has slope at most 1) plus 4 u c for its tanh
+    (reference/tolerance.h, kSoftcapError); each weight exp(s - max) relatively by 2 e_s,
+    u |s - max| for the subtraction (counted as u, or 2 u c when capped), 16 u for an exp
+    within 8 ulp (the peers' bound in bench/main.cpp) and 3 u per key for an online softmax
+    that rescales at every key (the worst blocking); the output by twice the weights' error
+    plus the two sums of n terms and the division."""
     u = 2.0 ** -24
-    e_s = (p.head_dim + 1) * math.sqrt(p.head_dim) * u
-    e_w = 2 * e_s + 17 * u + 3 * u * p.kv_len
+    e_s = (p.head_dim + 1) * p.head_dim * p.scale * u
+    span = 1.0
+    if p.soft_capped:
+        e_s += 4 * u * p.softcap
+        span = max(span, 2 * p.softcap)
+    e_w = 2 * e_s + (16 + span) * u + 3 * u * p.kv_len
     return 2 * e_w + (2 * p.kv_len + 1) * u
 
 
@@ -113,6 +123,28 @@ CASES = {
                           causal=True, kv_head_major=True, window=50),
     "ragged-window": dict(batch=2, q_len=1, kv_len=60, heads=4, kv_heads=2, dim=16,
                           causal=True, kv_head_major=True, kv_lens=(60, 25), window=30),
+    # Logit soft-capping (Problem.softcap): logits of about 5 (15 times the usual scale, so
+    # the scale is not 1 / sqrt(D) either) capped at 2, where c tanh(s / c) is far from s and
+    # from a cap of the unscaled q.k; without causal masking, causal, bottom-right causal
+    # through a mask, a decode step, with a sliding window, and with sinks above the cap
+    # (which stay uncapped).
+    "prefill-softcap": dict(batch=1, q_len=24, kv_len=24, heads=4, kv_heads=2, dim=32,
+                            causal=False, softcap=2.0, logits=15.0),
+    "prefill-causal-softcap": dict(batch=2, q_len=30, kv_len=30, heads=8, kv_heads=2,
+                                   dim=32, causal=True, softcap=2.0, logits=15.0),
+    "causal-lq<lk-softcap": dict(batch=1, q_len=5, kv_len=33, heads=4, kv_heads=2, dim=32,
+                                 causal=True, kv_head_major=True, softcap=2.0, logits=15.0),
+    "decode-softcap": dict(batch=2, q_len=1, kv_len=200, heads=8, kv_heads=2, dim=64,
+                           causal=True, kv_head_major=True, softcap=2.0, logits=15.0),
+    "prefill-causal-window-softcap": dict(batch=1, q_len=30, kv_len=30, heads=4, kv_heads=2,
+                                          dim=32, causal=True, window=7, softcap=2.0,
+                                          logits=15.0),
+    "prefill-causal-sinks-softcap": dict(batch=2, q_len=30, kv_len=30, heads=4, kv_heads=2,
+                                         dim=32, causal=True, sinks=(3.0, 0.5, -2.0, 1.5),
+                                         softcap=2.0, logits=15.0),
+    "decode-sinks-softcap": dict(batch=1, q_len=1, kv_len=200, heads=4, kv_heads=1, dim=32,
+                                 causal=True, kv_head_major=True, sinks=(6.0, 4.0, 2.5, -3.0),
+                                 softcap=2.0, logits=15.0),
 }
 
 
@@ -137,13 +169,14 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
         # The peers that decline: ORT's GQA operator (causal only), the grouped forms
         # (grouped-query decode steps only), OpenVINO's KV-cache form (prefill and decode).
         # A ragged batch: the peers without per-sequence lengths, and ORT's GQA operator
-        # beyond decode steps.
+        # beyond decode steps. Sinks, a window, a soft-cap: the peers whose operator has none.
         assert ((cls.name == "peer-ort-gqa" and not p.causal)
                 or (cls.name.endswith("-grouped") and not p.grouped_decode)
                 or (cls is OpenVinoSdpaKvCache and p.q_len not in (1, p.kv_len))
                 or (p.kv_lens is not None and not cls.ragged)
                 or (p.sinks is not None and not cls.sinks)
                 or (0 < p.window < p.kv_len and not cls.window)
+                or (p.soft_capped and not cls.softcap)
                 or (cls.name == "peer-ort-gqa" and p.kv_lens is not None and p.q_len != 1))
         pytest.skip(why)
     rng = np.random.default_rng(7)
@@ -402,6 +435,51 @@ def test_reduced_kv_types_are_parsed_and_refused() -> None:
                 "error unsupported"), name
             refused += 1
     assert refused >= len(server.peers)  # none reads i8 yet
+
+
+def test_softcap_is_parsed_and_refused() -> None:
+    """softcap reaches the problem, absent, 0 and +inf being none (as mha::soft_capped); a
+    capped problem is answered yes by the peers whose operator caps and no, naming it, by the
+    others, whose prepare of it is an error; an uncapped one is every peer's."""
+    base = ("batch=1 q_len=1 kv_len=6 q_heads=2 kv_heads=1 head_dim=4 causal=1 scale=0.5 "
+            "q_strides=8,8,4 k_strides=24,4,24 v_strides=24,4,24 o_strides=8,8,4")
+    fields = dict(w.split("=") for w in base.split())
+    assert Problem.parse(fields).softcap == 0.0
+    for none in ("0", "inf"):
+        p = Problem.parse({**fields, "softcap": none})
+        assert not p.soft_capped and p.capped(np.array([7.0])) == 7.0, none
+    p = Problem.parse({**fields, "softcap": "50"})
+    assert p.softcap == 50.0 and p.soft_capped
+    assert np.allclose(p.capped(np.array([1e6, -1e6, 0.0])), [50.0, -50.0, 0.0])
+    server = Server([cls() for cls in ATTENTION])
+    capping = set()
+    for name, peer in server.peers.items():
+        assert isinstance(peer, Peer)
+        for none in ("", " softcap=0", " softcap=inf"):
+            assert server.handle(f"supports {name} {base}{none}") == "yes", (name, none)
+        reply = server.handle(f"supports {name} {base} softcap=50")
+        if peer.softcap:
+            assert reply == "yes", (name, reply)
+            capping.add(name)
+            continue
+        assert reply == f"no logit soft-capping: {name} takes none", reply
+        assert server.handle(f"prepare {name} {base} softcap=50 threads=1") == (
+            f"error unsupported: logit soft-capping: {name} takes none"), name
+    assert capping == {"peer-ort-attention", "peer-ort-attention-grouped", "peer-ort-gqa"}
+
+
+def test_reference_caps_the_logits_not_the_sinks() -> None:
+    """The float64 reference the peers are checked against: with a cap, the softmax of
+    c tanh(s / c) over the keys and the sink as given, written out here for one row."""
+    p = make_problem(1, 1, 5, 1, 1, 4, causal=True, sinks=(1.5,), softcap=1.0, logits=15.0)
+    q, k, v, o = buffers(p, np.random.default_rng(2))
+    t = Tensors.from_buffers(p, q, k, v, o)
+    s = p.scale * (t.k[0][0, :, 0].astype(np.float64) @ t.q[0][0, 0, 0].astype(np.float64))
+    assert np.abs(s).max() > 2  # the cap matters
+    w = np.exp(np.append(np.tanh(s), 1.5))
+    want = (w[:-1] / w.sum()) @ t.v[0][0, :, 0].astype(np.float64)
+    got = attention(p, t.q[0], t.k[0], t.v[0])[0, 0, 0]
+    assert np.abs(got - want).max() < 1e-12
 
 
 def test_greeting_ends_with_ready() -> None:
