@@ -118,6 +118,14 @@ i64 field(Bytes& in) {
   return static_cast<i64>(in.u64());
 }
 
+// Any float, NaN and infinities included: 4 bytes, its bits.
+float any_float(Bytes& in) {
+  const std::uint32_t bits = in.u32();
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 float scale(Bytes& in, i64 head_dim) {
   static constexpr float kSpecial[16] = {0.0f,
                                          -0.0f,
@@ -139,12 +147,8 @@ float scale(Bytes& in, i64 head_dim) {
     case 0:  // make_problem's
       return head_dim > 0 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))
                           : 1.0f;
-    case 1: {
-      const std::uint32_t bits = in.u32();
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      return f;
-    }
+    case 1:
+      return any_float(in);
     case 2:
       return kSpecial[in.u8() % 16];
     default:
@@ -256,10 +260,7 @@ float sink_value(Bytes& in) {
   const std::uint8_t s = in.u8();
   if (s < 0x80) return static_cast<float>(s - 64) / 4.0f;
   if (s < 0xa0) return kSpecial[s & 0x1f];
-  const std::uint32_t bits = in.u32();
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return any_float(in);
 }
 
 // Problem::sinks for `heads` query heads. Mode byte % 4: 0 none; 1 one sink_value() for every
@@ -341,12 +342,8 @@ float read_softcap(Bytes& in) {
   switch (in.u8() % 4) {
     case 0:
       return 0.0f;
-    case 1: {
-      const std::uint32_t bits = in.u32();
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      return f;
-    }
+    case 1:
+      return any_float(in);
     case 2:
       return std::exp2(static_cast<float>(in.u8()) / 8.0f - 16.0f);
     default: {
