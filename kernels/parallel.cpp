@@ -258,6 +258,7 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     up.kv_heads = 1;
     up.q_lens = up.kv_lens = nullptr;
     if (p.sinks != nullptr) up.sinks = p.sinks + u.kv * g;
+    if (p.alibi != nullptr) up.alibi = p.alibi + u.kv * g;
     return up;
   };
   const auto o_at = [&](const Unit& u) {
@@ -277,6 +278,8 @@ void parallel_attention(Kernel kernel, WorkspaceSize kernel_workspace, const Pro
     Problem tp = unit_problem(u);
     tp.kv_len = task.c1 - task.c0;
     tp.causal = task.causal;
+    // ALiBi's distances are the sequence's: its rows [r0, r0 + rows) over keys [c0, c1).
+    tp.alibi_offset = slice_offset(sequence(p, u.b), u.r0 + u.rows, task.c1);
     const float* tq = q + u.b * p.q.batch + u.r0 * p.q.seq + u.kv * g * p.q.head;
     const KvView tk = kv_row(k, p.kv_type, p.k, p.k_scale, u.b, task.c0, u.kv);
     const KvView tv = kv_row(v, p.kv_type, p.v, p.v_scale, u.b, task.c0, u.kv);

@@ -127,6 +127,7 @@ std::string check_call(const Problem& p, const float* q, KvView k, KvView v, con
       range("k.scale", k.scale, i8 ? k_scale_extent(p) : 0),
       range("v.scale", v.scale, i8 ? v_scale_extent(p) : 0),
       range("sinks", p.sinks, p.sinks != nullptr ? p.q_heads : 0),
+      range("alibi", p.alibi, p.alibi != nullptr ? p.q_heads : 0),
       range("q_lens", p.q_lens, p.q_lens != nullptr ? p.batch : 0, sizeof(std::int64_t)),
       range("kv_lens", p.kv_lens, p.kv_lens != nullptr ? p.batch : 0, sizeof(std::int64_t))};
   Range outputs[] = {range("o", o, o_extent(p)), range("lse", lse, lse_extent(p))};

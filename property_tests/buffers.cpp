@@ -90,6 +90,10 @@ Inputs make_inputs(const Case& c) {
     in.sinks.push_back(c.sinks[static_cast<std::size_t>(h) % c.sinks.size()]);
   }
   p.sinks = in.sinks.empty() ? nullptr : in.sinks.data();  // the buffer moves with Inputs
+  for (std::int64_t h = 0; h < p.q_heads && !c.alibi.empty(); ++h) {
+    in.alibi.push_back(c.alibi[static_cast<std::size_t>(h) % c.alibi.size()]);
+  }
+  p.alibi = in.alibi.empty() ? nullptr : in.alibi.data();
   // Per-sequence lengths, repeated and cut to the tensors' when a test changed the shape.
   const auto lens = [&](const std::vector<std::int64_t>& drawn, std::int64_t most,
                         std::vector<std::int64_t>& out) -> const std::int64_t* {

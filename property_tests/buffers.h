@@ -48,6 +48,7 @@ struct Inputs {
   float *q = nullptr, *k = nullptr, *v = nullptr;
   std::vector<float> before;  ///< snapshot of the arena, to prove inputs are not written
   std::vector<float> sinks;   ///< p.sinks points here when the case has sinks
+  std::vector<float> alibi;   ///< p.alibi points here when the case has ALiBi
   std::vector<std::int64_t> q_lens, kv_lens;  ///< p.q_lens, p.kv_lens point here (ragged)
 };
 Inputs make_inputs(const Case& c);

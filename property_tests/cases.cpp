@@ -99,6 +99,11 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
      << " value_scale=" << c.value_scale << " seed=" << c.seed;
   if (p.window != 0) os << " window=" << p.window;
   if (p.softcap != 0.0f) os << " softcap=" << p.softcap;
+  if (!c.alibi.empty()) {
+    os << " alibi=";
+    for (std::size_t h = 0; h < c.alibi.size(); ++h) os << (h > 0 ? "," : "") << c.alibi[h];
+    if (p.alibi_offset != 0) os << " alibi_offset=" << p.alibi_offset;
+  }
   if (!c.sinks.empty()) {
     os << " sinks=";
     for (std::size_t h = 0; h < c.sinks.size(); ++h) os << (h > 0 ? "," : "") << c.sinks[h];
@@ -324,6 +329,26 @@ rc::Gen<Case> gen_case(const CaseOptions& o) {
       p.softcap = !o.only_softcaps && *unsized(rc::gen::inRange(0, 8)) == 0
                       ? std::numeric_limits<float>::infinity()
                       : static_cast<float>(typical * std::pow(10.0, x / 100.0));
+    }
+    if (o.only_alibi || (o.any_alibi && *unsized(rc::gen::inRange(0, 4)) == 0)) {
+      // Per head: the slope that gives the longest distance a bias of 10^x typical logits, x
+      // from -1 (a nudge) to 2 (far keys weigh nothing, and a row's max moves: a max of
+      // unbiased logits loses every weight of large ones); 1 in 8 heads 0. 1 in 8 cases all
+      // zeros (no ALiBi, in effect). 1 in 4 with an offset within the keys either way (the
+      // rows' positions moved, as a slice of a longer problem has them).
+      const double longest = static_cast<double>(p.q_len + p.kv_len);
+      const bool zeros = !o.only_alibi && *unsized(rc::gen::inRange(0, 8)) == 0;
+      c.alibi.resize(static_cast<std::size_t>(p.q_heads));
+      for (float& slope : c.alibi) {
+        const int x = *unsized(rc::gen::inRange(-100, 201));
+        slope = zeros || *unsized(rc::gen::inRange(0, 8)) == 0
+                    ? 0.0f
+                    : static_cast<float>(typical * std::pow(10.0, x / 100.0) / longest);
+      }
+      if (o.only_alibi && c.alibi[0] == 0.0f) c.alibi[0] = static_cast<float>(typical / longest);
+      if (*unsized(rc::gen::inRange(0, 4)) == 0) {
+        p.alibi_offset = *rc::gen::inRange<std::int64_t>(-p.kv_len, p.kv_len + 1);
+      }
     }
     c.seed = *rc::gen::arbitrary<std::uint64_t>();
     return c;

@@ -46,6 +46,8 @@ struct Case {
   std::uint64_t seed = 0;    ///< for the values
   /// Attention sinks, one per query head (empty: none): make_inputs points p.sinks at a copy.
   std::vector<float> sinks;
+  /// ALiBi slopes, one per query head (empty: none): make_inputs points p.alibi at a copy.
+  std::vector<float> alibi;
   /// Per-sequence lengths (Problem::q_lens, kv_lens; empty: none): make_inputs points p at
   /// copies and fills the padding past each sequence's lengths with NaN.
   std::vector<std::int64_t> q_lens, kv_lens;
@@ -78,8 +80,10 @@ struct CaseOptions {
   bool any_ragged = false;     ///< 1 in 3: per-sequence lengths (Problem::q_lens, kv_lens)
   bool any_window = true;      ///< 1 in 4: a sliding window (Problem::window)
   bool any_softcap = true;     ///< 1 in 4: logit soft-capping (Problem::softcap)
+  bool any_alibi = true;       ///< 1 in 4: ALiBi (Problem::alibi, alibi_offset)
   bool only_windows = false;   ///< every case a sliding window that cuts some row's keys
   bool only_softcaps = false;  ///< every case soft-capped (a finite cap)
+  bool only_alibi = false;     ///< every case with ALiBi (slopes not all zero)
   /// Only long decodes: Lq <= 3, Lk from 16383 to 131072, the sensitive values (reference/
   /// sensitive.h), work up to shape.max_work / 4 and K up to 2^21 floats.
   bool long_decode = false;

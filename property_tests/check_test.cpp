@@ -137,6 +137,37 @@ TEST(Check, SoftcapIsNoneOrWithinItsRange) {
   EXPECT_EQ(check(p), "");
 }
 
+TEST(Check, AlibiSlopesAndOffsetAreWithinTheirRanges) {
+  Problem p = valid();  // q_heads 4
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> slopes = {0.0f, 0.5f, 0x1p-149f, 0x1p32f};
+  p.alibi = slopes.data();
+  EXPECT_EQ(check(p), "");
+  const std::string range = ") must be within [0, 2^32]";
+  slopes[2] = -0.0f;  // zero either way
+  EXPECT_EQ(check(p), "");
+  slopes[2] = -0x1p-149f;
+  EXPECT_EQ(check(p), "alibi[2] (-1.4013e-45" + range);
+  slopes[2] = 0.0f;
+  slopes[3] = 0x1.000002p32f;
+  EXPECT_EQ(check(p), "alibi[3] (4.29497e+09" + range);
+  slopes[3] = inf;
+  EXPECT_EQ(check(p), "alibi[3] (inf" + range);
+  slopes[3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(check(p), "alibi[3] (nan" + range);
+  slopes[3] = 1.0f;
+  for (const std::int64_t offset : {std::int64_t{1} << 62, -(std::int64_t{1} << 62)}) {
+    p.alibi_offset = offset;
+    EXPECT_EQ(check(p), "") << offset;
+  }
+  p.alibi_offset = (std::int64_t{1} << 62) + 1;
+  EXPECT_EQ(check(p), "alibi_offset (4611686018427387905) must be within [-2^62, 2^62]");
+  p.alibi_offset = std::numeric_limits<std::int64_t>::min();
+  EXPECT_EQ(check(p), "alibi_offset (-9223372036854775808) must be within [-2^62, 2^62]");
+  p.alibi = nullptr;  // the offset is unused without slopes
+  EXPECT_EQ(check(p), "");
+}
+
 TEST(Check, SequenceLengthsAreWithinTheTensors) {
   Problem p = valid();  // batch 2, q_len 5, kv_len 7
   std::vector<std::int64_t> q_lens = {0, 5}, kv_lens = {7, 0};
@@ -317,6 +348,13 @@ TEST(EntryPoint, RejectsOutputsOverlappingInputs) {
   p.sinks = b.o.data() + 1;
   EXPECT_EQ(check_call(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), nullptr),
             "o overlaps sinks: outputs must not share memory with inputs");
+  p = b.p;
+  std::vector<float> zeros(static_cast<std::size_t>(p.q_heads), 0.0f);
+  p.alibi = b.lse.data() + 2;  // lse is zeros: valid slopes
+  EXPECT_EQ(check_call(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data()),
+            "lse overlaps alibi: outputs must not share memory with inputs");
+  p.alibi = zeros.data();
+  EXPECT_EQ(check_call(p, b.q.data(), b.k.data(), b.v.data(), b.o.data(), b.lse.data()), "");
   p = b.p;
   std::vector<std::int64_t> lens(static_cast<std::size_t>(p.batch), 1);
   p.kv_lens = lens.data();

@@ -37,9 +37,9 @@ TEST_P(Equivalence, CausalPrefill) {  // Lq == Lk, the usual lower triangle
 }
 
 // Every case with a sliding window that cuts some row's keys (1 key, a few, one off a KV
-// tile, any), and every case soft-capped: the variants' edges in every case rather than one
-// in four (a window's start one key off in a kernel's masked pass shows in a few cases in a
-// hundred of MatchesReference).
+// tile, any), every case soft-capped, every case with ALiBi: the variants' edges in every
+// case rather than one in four (a window's start one key off in a kernel's masked pass shows
+// in a few cases in a hundred of MatchesReference).
 TEST_P(Equivalence, SlidingWindow) {
   CaseOptions options;
   options.only_windows = true;
@@ -49,6 +49,12 @@ TEST_P(Equivalence, SlidingWindow) {
 TEST_P(Equivalence, SoftCapped) {
   CaseOptions options;
   options.only_softcaps = true;
+  check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
+}
+
+TEST_P(Equivalence, Alibi) {
+  CaseOptions options;
+  options.only_alibi = true;
   check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
 }
 

@@ -21,6 +21,14 @@ namespace {
 
 class Metamorphic : public KernelTest {};
 
+// The same bits in every element of o and lse (padding included): a variant's neutral value
+// (a sink of -inf, a window over every key, a soft-cap of +inf, zero ALiBi slopes) is none.
+void assert_same_bits(const Outputs& none, const Outputs& with) {
+  const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
+  RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
+  RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+}
+
 // Grouped-query attention is multi-head attention with each KV head repeated for the g
 // query heads that read it.
 TEST_P(Metamorphic, GqaEqualsRepeatedKvMha) {
@@ -56,6 +64,7 @@ TEST_P(Metamorphic, KvPermutationInvariance) {
   CaseOptions options;
   options.causal = 0;
   options.any_window = false;  // a window keeps the last keys
+  options.any_alibi = false;   // ALiBi's bias is the keys' distance from the row
   check_property([&] {
     const Case c = *gen_case(options);
     const Inputs in = make_inputs(c);
@@ -177,7 +186,8 @@ TEST_P(Metamorphic, LayoutsAgree) {
 }
 
 // Query rows [r0, r1) form a problem of their own: causal alignment is bottom-right, so the
-// slice keeps the keys up to kv_len - q_len + r1 (none when that is <= 0).
+// slice keeps the keys up to kv_len - q_len + r1 (none when that is <= 0); with ALiBi its
+// distances are the whole's through its alibi_offset (mha::slice_offset).
 TEST_P(Metamorphic, RowSlicesAreProblemsOfTheirOwn) {
   check_property([&] {
     const Case c = *gen_case();
@@ -189,6 +199,7 @@ TEST_P(Metamorphic, RowSlicesAreProblemsOfTheirOwn) {
     Problem slice = p;
     slice.q_len = r1 - r0;
     if (p.causal) slice.kv_len = p.kv_len - p.q_len + r1;
+    slice.alibi_offset = slice_offset(p, r1, slice.kv_len);
     if (slice.kv_len <= 0) {  // every row of the slice sees no key
       for (std::int64_t i = r0; i < r1; ++i) RC_ASSERT(visible_keys(p, i) == 0);
       return;
@@ -320,9 +331,7 @@ TEST_P(Metamorphic, MinusInfiniteSinksAreNone) {
     Problem p = in.p;
     p.sinks = sinks.data();
     const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
-    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
-    RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
-    RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+    assert_same_bits(none, with);
   });
 }
 
@@ -345,9 +354,7 @@ TEST_P(Metamorphic, WindowOverEveryKeyIsNone) {
     Problem p = in.p;
     p.window = most + *unsized(rc::gen::inRange<std::int64_t>(0, 3));
     const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
-    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
-    RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
-    RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+    assert_same_bits(none, with);
   });
 }
 
@@ -362,16 +369,34 @@ TEST_P(Metamorphic, SoftcapOfInfinityIsNone) {
     Problem p = in.p;
     p.softcap = std::numeric_limits<float>::infinity();
     const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
-    const auto bytes = [](const Guarded& g) { return static_cast<std::size_t>(g.size()) * 4; };
-    RC_ASSERT(std::memcmp(none.o.data(), with.o.data(), bytes(none.o)) == 0);
-    RC_ASSERT(std::memcmp(none.lse.data(), with.lse.data(), bytes(none.lse)) == 0);
+    assert_same_bits(none, with);
+  });
+}
+
+// All-zero ALiBi slopes are no ALiBi (Problem::alibi), whatever the offset: the same bits of o
+// and lse.
+TEST_P(Metamorphic, ZeroAlibiSlopesAreNone) {
+  CaseOptions options;
+  options.any_alibi = false;
+  options.any_ragged = true;
+  check_property([&] {
+    const Case c = *gen_case(options);
+    const Inputs in = make_inputs(c);
+    const Outputs none = run(call_kernel(kernel()), kernel().name, in);
+    const std::vector<float> zeros(static_cast<std::size_t>(in.p.q_heads), 0.0f);
+    Problem p = in.p;
+    p.alibi = zeros.data();
+    p.alibi_offset = *rc::gen::inRange<std::int64_t>(-p.kv_len, p.kv_len + 1);
+    const Outputs with = run(call_kernel(kernel()), kernel().name, p, in, in.q, in.k, in.v);
+    assert_same_bits(none, with);
   });
 }
 
 // Partial results over KV chunks merged by their lse equal the whole (mha::merge). Chunks
 // of a causal problem end at or before key kv_len - q_len + 1 (seen whole by every row,
 // so non-causal) except the last, which stays causal. With sinks, the chunks run without
-// them and the merge counts each once (one more part in the tolerance). With a sliding
+// them and the merge counts each once (one more part in the tolerance); with ALiBi each
+// keeps the whole's distances (mha::slice_offset). With a sliding
 // window the keys start at the first row's first key (the others' are later), and the
 // problem is cut only where every row's window starts there (one query row, or windows
 // that reach key 0): a cut before a row's first key would need that row's window in a
@@ -404,6 +429,7 @@ TEST_P(Metamorphic, SplitKvMergedEqualsWhole) {
       chunk.causal = p.causal && t + 2 == cuts.size();
       chunk.window = chunk.causal || !cuttable ? p.window : 0;
       chunk.sinks = nullptr;
+      chunk.alibi_offset = slice_offset(p, p.q_len, cuts[t + 1]);  // the whole's distances
       parts.push_back(run(call_kernel(kernel()), kernel().name, chunk, in, in.q,
                           in.k + cuts[t] * p.k.seq, in.v + cuts[t] * p.v.seq,
                           static_cast<std::int64_t>(t)));

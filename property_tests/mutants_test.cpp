@@ -35,6 +35,7 @@ TEST_P(Mutants, FailEquivalence) {
   options.any_sinks = false;
   options.any_window = false;
   options.any_softcap = false;
+  options.any_alibi = false;
   rc::detail::TestMetadata metadata;
   metadata.id = std::string("Mutants/") + mutant.name;
   metadata.description = metadata.id;

@@ -42,7 +42,8 @@ Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int6
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
             dot += static_cast<double>(q_row[d]) * key.at(d);
           }
-          score[static_cast<std::size_t>(j)] = capped_logit(p, static_cast<double>(p.scale) * dot);
+          score[static_cast<std::size_t>(j)] = capped_logit(p, static_cast<double>(p.scale) * dot) +
+                                               alibi_bias(p, b, h, i, keys.first + j);
           nan |= std::isnan(score[static_cast<std::size_t>(j)]);
           m = std::fmax(m, score[static_cast<std::size_t>(j)]);
         }

@@ -89,12 +89,23 @@ inline double capped_logit(const Problem& p, double s) {
   return c > 0.0 && std::isfinite(c) ? c * std::tanh(s / c) : s;
 }
 
+/// ALiBi's bias of query row i and key j of sequence b for head h (Problem::alibi), in
+/// double: -alibi[h] |i + kv_len - q_len + alibi_offset - j| on the sequence's own lengths; 0
+/// without ALiBi.
+inline double alibi_bias(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
+                         std::int64_t j) {
+  if (p.alibi == nullptr) return 0.0;
+  const std::int64_t keys = p.kv_lens != nullptr ? p.kv_lens[b] : p.kv_len;
+  const std::int64_t position = i + keys - rows_of(p, b) + p.alibi_offset;
+  return -static_cast<double>(p.alibi[h]) * std::fabs(static_cast<double>(position - j));
+}
+
 /// Attention of the problem p (strides as p says) over the inputs, K and V of p.kv_type
-/// taken at their exact values (kv_row), its logits soft-capped (capped_logit), with p's sinks
-/// (each one more logit in the max and the sum). Rows that see no key are zeros with lse -inf (the
-/// sink, with one); NaN in the inputs propagates. Runs only the query rows [row_begin, row_end) of
-/// every head when given (others are left zero), so a caller can check a sample of rows of a large
-/// problem.
+/// taken at their exact values (kv_row), its logits soft-capped (capped_logit) and then biased
+/// by ALiBi (alibi_bias), with p's sinks (each one more logit in the max and the sum). Rows
+/// that see no key are zeros with lse -inf (the sink, with one); NaN in the inputs propagates.
+/// Runs only the query rows [row_begin, row_end) of every head when given (others are left
+/// zero), so a caller can check a sample of rows of a large problem.
 Result attention(const Problem& p, const float* q, KvView k, KvView v, std::int64_t row_begin = 0,
                  std::int64_t row_end = -1);
 

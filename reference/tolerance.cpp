@@ -76,6 +76,7 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
         const float* q_row = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
         // Exact logits, A, V and the most nonzero products of a dot product.
         double a = 0.0, vmax = 0.0, top = -std::numeric_limits<double>::infinity();
+        double biggest_bias = 0.0;  // step 9's B
         std::int64_t nonzero = 0;
         logit.resize(static_cast<std::size_t>(keys));
         for (std::int64_t j = 0; j < keys; ++j) {
@@ -92,7 +93,10 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
           }
           a = std::max(a, scale * abs_dot);
           nonzero = std::max(nonzero, products);
-          logit[static_cast<std::size_t>(j)] = capped_logit(p, static_cast<double>(p.scale) * dot);
+          const double bias = alibi_bias(p, b, h, i, range.first + j);
+          biggest_bias = std::max(biggest_bias, std::fabs(bias));
+          logit[static_cast<std::size_t>(j)] =
+              capped_logit(p, static_cast<double>(p.scale) * dot) + bias;
           top = std::max(top, logit[static_cast<std::size_t>(j)]);
         }
         if (has_sink) {
@@ -101,8 +105,8 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
           logit.push_back(sink);
         }
         const double u = kU;
-        const double delta =
-            gamma(static_cast<double>(nonzero) + 5.0 + kv_roundings) * a + cap_error;
+        const double delta = gamma(static_cast<double>(nonzero) + 5.0 + kv_roundings) * a +
+                             cap_error + gamma(7.0) * biggest_bias;
         const double eta = std::exp(delta) * (1.0 + exp_ulp * 2.0 * u) - 1.0;
         // Step 3 over the keys within `depth` of the top logit, the rest as small mass: the
         // split that gives the smallest bound (depth infinite: every key counted, no mass).
@@ -140,7 +144,7 @@ Tolerance tolerance(const Problem& p, const float* q, KvView k, KvView v, double
         t.o[r] = (weight_shift(eta) + accumulation + kv_roundings * u) * vmax;
         t.lse[r] = std::log1p(eta) - std::log1p(-std::min(g, 0.5)) +
                    (4.0 + exp_ulp + (has_sink ? 1.0 : 0.0)) * 2.0 * u *
-                       (a + std::log(static_cast<double>(n)) + 1.0);
+                       (a + biggest_bias + std::log(static_cast<double>(n)) + 1.0);
       }
     }
   }

@@ -76,6 +76,15 @@
 //    magnitude, less than A allows for, so every other term stands; the exact logits (the top,
 //    step 3's split) are the capped ones.
 //
+// 9. ALiBi (Problem::alibi). A kernel forms a key's bias -slope |d| from the slope in its
+//    logit units (one rounding), the distance d in float (two: float(d0) and d0 - k) and
+//    their product (one), adds it to the logit (one, on at most A + B), and the subtraction of
+//    the max now acts on values up to 2 (A + B) (two more on B): delta gains gamma(7) B, B the
+//    largest |bias| over the row's visible keys (support::Alibi). The exact logits (the top,
+//    step 3's split) are the biased ones; the top may now lie anywhere in the row, which step
+//    3 never assumed otherwise. lse = m + log(sum) holds values up to A + B: tol_lse's last
+//    term takes A + B for A.
+//
 // Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
 // loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
 // head mapping, a doubled scale, a skipped key, a dropped tail of D or lse in the wrong

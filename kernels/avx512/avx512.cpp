@@ -14,7 +14,8 @@
 //       (decode-sized blocks read suitably strided rows in place instead)
 //       for each strip of 32 rows (2 zmm):
 //         S^T = scale log2(e) K Q^T    microkernel: 12 keys x 32 rows,   strip_logits
-//                                      K broadcast; soft-capped (Problem::softcap)
+//                                      K broadcast; soft-capped (Problem::softcap),
+//                                      ALiBi's bias added (Problem::alibi)
 //         online softmax in base 2, 16 rows per vector: running max m,   strip_softmax
 //           sum l; P^T = 2^(S^T - m)
 //         O^T = alpha O^T + V^T P^T    microkernel: 12 columns x 32      strip_pv
@@ -149,6 +150,11 @@ __m512 logit_scale_of(const mha::Problem& p) {
 // Problem::softcap in the kernel's base-2 logit units (off without one).
 mha::support::Softcap softcap_of(const mha::Problem& p) {
   return mha::support::Softcap::of(p, mha::support::kLog2e);
+}
+
+// Problem::alibi in the kernel's base-2 logit units (off without).
+mha::support::Alibi alibi_of(const mha::Problem& p) {
+  return mha::support::Alibi::of(p, mha::support::kLog2e);
 }
 
 // op over the 16 lanes, by halving (shuffles; not _mm512_reduce_*_ps, inside which GCC 12
@@ -814,6 +820,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
   const std::int64_t ldw = scratch.ldw;
   const __m512 logit_scale = logit_scale_of(p);
   const mha::support::Softcap cap = softcap_of(p);
+  const mha::support::Alibi alibi = alibi_of(p);
   const std::int64_t decode_keys = scratch.tile_keys;
   // f16 and bf16: a tile's first group prefetches the next tile in its own loops (Ahead).
   // Measured from DRAM against Prefetch::step() (1 thread, D = 128, Lk = 32768, time ratio):
@@ -939,6 +946,10 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
           if (cap.on()) {  // the capped logits, and their max: the cap of the max
             cap.apply(w, cols);
             tile_max = cap(tile_max);
+          }
+          if (alibi.on()) {  // the biased logits, and their max
+            tile_max =
+                alibi.add(alibi.rate(block.head(t)), alibi.distance(block.row(t), c1), w, cols);
           }
           alpha[r] = 1.0f;
           if (tile_max > ms[t]) {
@@ -1115,11 +1126,47 @@ std::int64_t start_block(const mha::Problem& p, const Block& block, const float*
   return padded;
 }
 
-// S^T = scale log2(e) K Q^T for the strip, 12 keys at a time, then soft-capped by `cap`
-// (base-2 units) if on: the strip's rows' lanes of every key, masked ones too (the softmax's
-// masks keep those out).
-void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, __m512 logit_scale,
-                  const mha::support::Softcap& cap, const Scratch& s, Prefetch* pf) {
+// ALiBi's bias on the strip's S^T over keys [begin, most): lane i (block row s0 + i) adds
+// rate_i |d_i - k| at the k-th key, d_i the distance of key c0 + begin (support::Alibi's
+// evaluation, the product fused with the addition: one rounding fewer). Padding lanes add 0.
+void strip_alibi(const Block& block, const Tile& tile, const Strip& strip,
+                 const mha::support::Alibi& alibi, const Scratch& s) {
+  alignas(64) float rate[kStrip] = {}, base[kStrip] = {};
+  for (std::int64_t i = 0; i < strip.rows && strip.s0 + i < block.rows; ++i) {
+    const std::int64_t t = strip.s0 + i;
+    rate[i] = alibi.rate(block.head(t));
+    base[i] = static_cast<float>(alibi.distance(block.row(t), tile.c0 + strip.begin));
+  }
+  const auto run = [&](auto vectors) {
+    constexpr int NV = decltype(vectors)::value;
+    __m512 r[NV], d[NV];
+    for (int n = 0; n < NV; ++n) {
+      r[n] = _mm512_load_ps(rate + 16 * n);
+      d[n] = _mm512_load_ps(base + 16 * n);
+    }
+    for (std::int64_t j = strip.begin; j < strip.most; ++j) {
+      const __m512 k = _mm512_set1_ps(static_cast<float>(j - strip.begin));
+      float* st = s.st + j * kStrip;
+      for (int n = 0; n < NV; ++n) {
+        const __m512 x = _mm512_loadu_ps(st + 16 * n);
+        const __m512 distance = _mm512_abs_ps(_mm512_sub_ps(d[n], k));
+        _mm512_storeu_ps(st + 16 * n, _mm512_fmadd_ps(r[n], distance, x));
+      }
+    }
+  };
+  if (strip.rows == 32) {
+    run(std::integral_constant<int, 2>{});
+  } else {
+    run(std::integral_constant<int, 1>{});
+  }
+}
+
+// S^T = scale log2(e) K Q^T for the strip, 12 keys at a time, then soft-capped by `cap` and
+// biased by `alibi` (base-2 units) if on: the strip's rows' lanes of every key, masked ones
+// too (the softmax's masks keep those out).
+void strip_logits(const mha::Problem& p, const Block& block, const Tile& tile, const Strip& strip,
+                  __m512 logit_scale, const mha::support::Softcap& cap,
+                  const mha::support::Alibi& alibi, const Scratch& s, Prefetch* pf) {
   for (std::int64_t j = strip.begin; j < strip.most; j += kMr) {
     with_count<kMr>(strip.most - j, [&](auto keys) {
       constexpr int kKeys = decltype(keys)::value;
@@ -1134,12 +1181,14 @@ void strip_logits(const mha::Problem& p, const Tile& tile, const Strip& strip, _
       }
     });
   }
-  if (!cap.on()) return;
-  if (strip.rows == 32) {
-    cap.apply(s.st + strip.begin * kStrip, (strip.most - strip.begin) * kStrip);
-  } else {
-    for (std::int64_t j = strip.begin; j < strip.most; ++j) cap.apply(s.st + j * kStrip, 16);
+  if (cap.on()) {
+    if (strip.rows == 32) {
+      cap.apply(s.st + strip.begin * kStrip, (strip.most - strip.begin) * kStrip);
+    } else {
+      for (std::int64_t j = strip.begin; j < strip.most; ++j) cap.apply(s.st + j * kStrip, 16);
+    }
   }
+  if (alibi.on()) strip_alibi(block, tile, strip, alibi, s);
 }
 
 // The online softmax of the strip's rows over [begin, most); masks only where a row sees
@@ -1291,6 +1340,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
   const Scratch s = carve(p, tiling, workspace);
   const __m512 logit_scale = logit_scale_of(p);
   const mha::support::Softcap cap = softcap_of(p);
+  const mha::support::Alibi alibi = alibi_of(p);
 
   mha::support::for_each_block(p, tiling.rows_per_head, [&](const Block& block) {
     const std::int64_t padded = start_block(p, block, q, s);
@@ -1366,7 +1416,7 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
           continue;
         }
         Prefetch* const pf = small && s0 == 0 ? &next : nullptr;
-        strip_logits(p, tile, strip, logit_scale, cap, s, pf);
+        strip_logits(p, block, tile, strip, logit_scale, cap, alibi, s, pf);
         strip_softmax(block, strip, s);
         strip_pv(p, tile, strip, s, pf);
       }

@@ -9,7 +9,7 @@
 //     block rows = the group's g query heads x up to Br query rows each
 //     for each KV tile of Bc keys that some row of the block sees:
 //       pack K^T of the tile                          once for all g heads: pack_k_transposed
-//       S = scale * Q K^T (soft-capped: c tanh(S / c)) [rows][Bc]         tile_logits
+//       S = scale * Q K^T (soft-capped: c tanh(S / c); ALiBi) [rows][Bc]  tile_logits
 //       online softmax: running max m and sum l per row; when m grows, the  tile_softmax
 //       accumulator and l are rescaled by the same exp(m_old - m_new); S becomes the weights P
 //       O += P V                                      [rows][head_dim]    tile_pv
@@ -234,14 +234,20 @@ void tile_keys(const mha::Problem& p, const Block& block, const Tile& tile, cons
   }
 }
 
-// With a soft-cap (Problem::softcap) each row's logits are then capped in place.
-void tile_logits(const mha::Problem& p, const Block& block, const float* q, std::int64_t bc,
-                 const Scratch& s) {
+// With a soft-cap (Problem::softcap) each row's logits are then capped in place, and with
+// ALiBi (Problem::alibi) biased.
+void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
+                 std::int64_t bc, const Scratch& s) {
   const mha::support::Softcap cap = mha::support::Softcap::of(p, 1.0);
+  const mha::support::Alibi alibi = mha::support::Alibi::of(p, 1.0);
   for (std::int64_t t = 0; t < block.rows; ++t) {
     float* row = s.s + t * bc + s.first[t];
     logits(block.q_row(p, q, t), s.kt + s.first[t], bc, p.head_dim, s.count[t], p.scale, row);
     if (cap.on()) cap.apply(row, s.count[t]);
+    if (alibi.on()) {
+      alibi.add(alibi.rate(block.head(t)), alibi.distance(block.row(t), tile.c0 + s.first[t]), row,
+                s.count[t]);
+    }
   }
 }
 
@@ -313,7 +319,7 @@ void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvVie
       const float* k_tile = tile_rows(k, p.k, p.k_scale, c0, tile.keys, &seq);
       pack_k_transposed(k_tile, seq, tile.keys, p.head_dim, s.kt, bc);
       tile_keys(p, block, tile, s);
-      tile_logits(p, block, q, bc, s);
+      tile_logits(p, block, tile, q, bc, s);
       tile_softmax(p, block, bc, s);
       const float* v_tile = tile_rows(v, p.v, p.v_scale, c0, tile.keys, &seq);
       tile_pv(p, block, v_tile, seq, bc, s);

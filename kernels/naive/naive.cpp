@@ -3,10 +3,10 @@
 //
 // For each (batch, query head, query row): the full score row s = scale * q K^T over the
 // keys it sees (its sliding window's, with one), soft-capped with one (c tanh(s / c), in
-// double), a stable softmax (subtract the row max, exp,
-// sum; the head's sink joins the sum: mha::sink_row_end), then o = softmax(s) V.
-// Layout: any strides mha::check accepts; reads only the elements the strides address,
-// writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
+// double), ALiBi's bias added with slopes (-slope |pos_i - j|, in double), a stable softmax
+// (subtract the row max, exp, sum; the head's sink joins the sum: mha::sink_row_end), then o =
+// softmax(s) V. Layout: any strides mha::check accepts; reads only the elements the strides
+// address, writes only o's and lse's elements. Workspace: one score row, kv_len floats (the
 // caller's; the kernel allocates nothing; SIZE_MAX when kv_len floats overflow size_t).
 // Floating-point environment: the default one for the call (mha::FpEnvGuard), whatever the
 // caller's. ISA: portable C++ (the compiler may vectorize). Depends on mha/attention.h and
@@ -32,10 +32,12 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
   const std::int64_t group = p.q_heads / p.kv_heads;  // query heads per KV head
   const bool capped = mha::soft_capped(p);
   const double cap = p.softcap;
+  const bool alibi = mha::has_alibi(p);
   float* const score = static_cast<float*>(ws.data);  // [kv_len]
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.q_heads; ++h) {
       const std::int64_t kv_head = h / group;
+      const double slope = alibi ? p.alibi[h] : 0.0;
       // Row j of K: its elements and, for i8, its scale.
       const auto k_row = [&](std::int64_t j) {
         return mha::kv_row(k, type, p.k, p.k_scale, b, j, kv_head);
@@ -49,8 +51,11 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
         // The row's keys [first, first + n): its window's, or all it sees.
         const std::int64_t first = mha::first_key(p, i);
         const std::int64_t n = mha::visible_keys(p, i) - first;
+        // The row's position among the keys, for ALiBi (Problem::alibi).
+        const std::int64_t position = i + p.kv_len - p.q_len + p.alibi_offset;
 
-        // s[j] = scale * q.k_j, soft-capped (Problem::softcap); m = max_j s[j]. A NaN logit is not
+        // s[j] = scale * q.k_j, soft-capped (Problem::softcap), plus ALiBi's bias
+        // (Problem::alibi); m = max_j s[j]. A NaN logit is not
         // the max, but exp(NaN - m) below is NaN, so it still reaches the output.
         float m = -std::numeric_limits<float>::infinity();
         for (std::int64_t j = 0; j < n; ++j) {
@@ -63,6 +68,10 @@ void mha_f32_attention_naive(const mha::Problem& p, const float* q, mha::KvView 
           score[j] = p.scale * dot;
           if (capped) {  // in double, rounded once: within u c of c tanh(s / c)
             score[j] = static_cast<float>(cap * std::tanh(static_cast<double>(score[j]) / cap));
+          }
+          if (alibi) {  // -slope |pos_i - key|, in double, rounded once
+            const auto d = static_cast<double>(position - (first + j));
+            score[j] += static_cast<float>(-slope * std::fabs(d));
           }
           m = score[j] > m ? score[j] : m;
         }

@@ -14,7 +14,7 @@
 //       pack K^T of the tile (4 x 4 transposes), widened to fp32,    pack_k_transposed
 //         zero-padded to a multiple of 4 keys; all g heads share it
 //       S = scale * Q K^T        microkernel 4 rows x 16 keys        tile_logits
-//         (soft-capped with Problem::softcap)
+//         (soft-capped with Problem::softcap, biased with Problem::alibi)
 //       online softmax per row: running max m and sum l;             tile_softmax
 //         vectorized exp (neon_exp.h)
 //       a reduced V tile widened to fp32 rows in the workspace       widen_rows
@@ -585,10 +585,12 @@ void start_block(const Block& block, const Scratch& s) {
 }
 
 // S = scale Q K^T, kRows block rows at a time, over the keys one of them sees, from the
-// vector of 4 that holds the first; with Problem::softcap each row's own then capped.
+// vector of 4 that holds the first; with Problem::softcap each row's own then capped, with
+// Problem::alibi biased.
 void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, const float* q,
                  const Scratch& s) {
   const mha::support::Softcap cap = mha::support::Softcap::of(p, 1.0);
+  const mha::support::Alibi alibi = mha::support::Alibi::of(p, 1.0);
   for (std::int64_t t0 = 0; t0 < block.rows; t0 += kRows) {
     const std::int64_t nr = std::min<std::int64_t>(kRows, block.rows - t0);
     const float* qr[kRows];
@@ -606,10 +608,17 @@ void tile_logits(const mha::Problem& p, const Block& block, const Tile& tile, co
       logits_rows<decltype(rows)::value>(qr, s.kt + from, s.ld, p.head_dim, round_up4(end) - from,
                                          p.scale, s.s + t0 * s.ld + from);
     });
-    if (!cap.on()) continue;
+    if (!cap.on() && !alibi.on()) continue;
     for (std::int64_t r = 0; r < nr; ++r) {  // each row's own logits [first, end)
       const Seen keys = seen(p, block, tile, t0 + r);
-      if (keys.end > 0) cap.apply(s.s + (t0 + r) * s.ld + keys.first, keys.end - keys.first);
+      if (keys.end == 0) continue;
+      float* row = s.s + (t0 + r) * s.ld + keys.first;
+      if (cap.on()) cap.apply(row, keys.end - keys.first);
+      if (alibi.on()) {
+        alibi.add(alibi.rate(block.head(t0 + r)),
+                  alibi.distance(block.row(t0 + r), tile.c0 + keys.first), row,
+                  keys.end - keys.first);
+      }
     }
   }
 }
@@ -955,6 +964,7 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
   const DecodeScratch s = carve_decode(p, workspace);
   const std::int64_t dim = p.head_dim, bd = s.tile;
   const mha::support::Softcap cap = mha::support::Softcap::of(p, 1.0);
+  const mha::support::Alibi alibi = mha::support::Alibi::of(p, 1.0);
   // The step() calls of one row over a whole tile: one per 16 keys and q slice, one per key
   // and O slice.
   const std::int64_t row_steps =
@@ -997,6 +1007,10 @@ void decode_rows(const mha::Problem& p, const float* q, mha::KvView k, mha::KvVi
         if (cap.on()) {  // the capped logits, and their max: the cap of the max
           cap.apply(s.weights, cols);
           tile_max = cap(tile_max);
+        }
+        if (alibi.on()) {  // the biased logits, and their max
+          tile_max = alibi.add(alibi.rate(block.head(t)), alibi.distance(block.row(t), j0),
+                               s.weights, cols);
         }
         const float alpha = row_softmax(s.weights, cols, tile_max, m + t, l + t);
         if constexpr (T == mha::KvType::i8) {  // w_j s_j: V's scales, after the sum

@@ -33,9 +33,12 @@
 //              real o's or lse's buffer (then 1 byte: the offset) (read_extras())
 //   window     Problem::window (read_window()): 1 byte mode (0: none), then its value
 //   softcap    Problem::softcap (read_softcap()): 1 byte mode (0: none), then its value
-// The last five sections came last, so that every older seed (zeros there) has no sinks, no
-// per-sequence lengths, no window and no soft-cap. A sinks or length array is allocated at exactly
-// its size (q_heads floats, batch int64s) when that is at most kMaxArray elements, else left null.
+//   alibi      Problem::alibi and alibi_offset (read_alibi()): 1 byte mode (0: none), then
+//              the slopes and the offset
+// The last six sections came last, so that every older seed (zeros there) has no sinks, no
+// per-sequence lengths, no window, no soft-cap and no ALiBi. A sinks or length array is allocated
+// at exactly its size (q_heads floats, batch int64s) when that is at most kMaxArray elements, else
+// left null.
 #include <mha/attention.h>
 #include <mha/parallel.h>
 #include <mha/registry.h>
@@ -44,6 +47,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -360,13 +364,65 @@ float read_softcap(Bytes& in) {
   }
 }
 
+// An ALiBi slope by a byte: below 0x80, 2^(b / 8 - 12), 2^-12 to 2^3.9 (a nudge to a wall over
+// the problem's distances); below 0xa0 a special (0, -0, 2^32 and its neighbour outside, the
+// smallest subnormal and its negative, +-inf, NaN); else any float (4 bytes).
+float alibi_slope(Bytes& in) {
+  static constexpr float kSpecial[16] = {0.0f,
+                                         -0.0f,
+                                         0x1p32f,
+                                         0x1.000002p32f,
+                                         0x1p-149f,
+                                         -0x1p-149f,
+                                         std::numeric_limits<float>::infinity(),
+                                         -std::numeric_limits<float>::infinity(),
+                                         std::numeric_limits<float>::quiet_NaN(),
+                                         -1.0f,
+                                         0.5f,
+                                         1.0f,
+                                         0x1p-8f,
+                                         0x1p-16f,
+                                         100.0f,
+                                         0x1p31f};
+  const std::uint8_t b = in.u8();
+  if (b < 0x80) return std::exp2(static_cast<float>(b) / 8.0f - 12.0f);
+  if (b < 0xa0) return kSpecial[b & 0xf];
+  return any_float(in);
+}
+
+// Problem::alibi for `heads` query heads and alibi_offset. Mode byte % 4: 0 none; 1 one
+// alibi_slope() for every head; 2 one per head; 3 the geometric slopes of the ALiBi paper,
+// 2^(-8 (h + 1) / heads). Then, for modes 1 to 3, the offset: a field(). Null slopes, with
+// nothing read past the mode byte, when heads is outside [1, kMaxArray].
+std::unique_ptr<float[]> read_alibi(Bytes& in, i64 heads, i64* offset) {
+  const int mode = in.u8() % 4;
+  *offset = 0;
+  if (mode == 0 || heads < 1 || heads > kMaxArray) return nullptr;
+  const auto n = static_cast<std::size_t>(heads);
+  std::unique_ptr<float[]> slopes(new float[n]);
+  if (mode == 1) {
+    std::fill(slopes.get(), slopes.get() + n, alibi_slope(in));
+  } else {
+    for (std::size_t h = 0; h < n; ++h) {
+      slopes[h] = mode == 2
+                      ? alibi_slope(in)
+                      : std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(heads));
+    }
+  }
+  *offset = field(in);
+  return slopes;
+}
+
 // The input's last sections (see the top): the sinks, the lengths, where check_call finds
-// those arrays relative to the outputs, the window and the soft-cap.
+// those arrays relative to the outputs, the window, the soft-cap and ALiBi.
 struct Extras {
   std::unique_ptr<float[]> sinks;          // q_heads floats, or null
   std::unique_ptr<i64[]> q_lens, kv_lens;  // batch each, or null
+  std::unique_ptr<float[]> alibi;          // q_heads floats, or null
+  i64 alibi_offset = 0;
   // Fake addresses: output 1 (o) or 2 (lse) moved to `fake_offset` floats from the start of
-  // array `fake_array` (0 sinks, 1 q_lens, 2 kv_lens), when that array is given; else none.
+  // array `fake_array` (0 sinks, 1 q_lens, 2 kv_lens, 3 alibi), when that array is given; else
+  // none.
   int fake_output = 0, fake_array = 0;
   i64 fake_offset = 0;
   // Real buffers: array `place_array` (1 sinks, 2 q_lens, 3 kv_lens; 0 none) copied inside
@@ -386,7 +442,7 @@ Extras read_extras(Bytes& in, const Problem& p) {
   if ((which & 2) != 0) e.kv_lens = read_length_array(in, p.batch, p.kv_len);
   const std::uint8_t fake = in.u8();
   e.fake_output = fake & 3;
-  e.fake_array = ((fake >> 2) & 3) % 3;
+  e.fake_array = (fake >> 2) & 3;
   if (e.fake_output == 1 || e.fake_output == 2) e.fake_offset = field(in);
   const std::uint8_t place = in.u8();
   e.place_array = place & 3;
@@ -394,12 +450,20 @@ Extras read_extras(Bytes& in, const Problem& p) {
   if (e.place_array != 0) e.place_offset = in.u8();
   e.window = read_window(in, p.kv_len);
   e.softcap = read_softcap(in);
+  e.alibi = read_alibi(in, p.q_heads, &e.alibi_offset);
   return e;
 }
 
-// Sinks and lengths of q_heads and batch elements that check() admitted: each sink finite
-// or -inf, each length within [0, the tensors' length].
+// ALiBi slopes, sinks and lengths of q_heads and batch elements that check() admitted: each
+// slope within [0, 2^32], each sink finite or -inf, each length within [0, the tensors'
+// length].
 void verify_admitted_arrays(const Problem& p) {
+  for (i64 h = 0; p.alibi != nullptr && h < p.q_heads; ++h) {
+    const float a = p.alibi[h];
+    if (!(a >= 0.0f && a <= 4294967296.0f)) {
+      fail("check admitted alibi[" + std::to_string(h) + "] = " + std::to_string(a));
+    }
+  }
   for (i64 h = 0; p.sinks != nullptr && h < p.q_heads; ++h) {
     const float s = p.sinks[h];
     if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
@@ -421,17 +485,30 @@ void verify_admitted_arrays(const Problem& p) {
   }
 }
 
-// check()'s verdict on p, modeled: check() itself on p without sinks and lengths for every
-// other rule, and the rules on those arrays, which come after every rule but those on lse's
-// strides: the first head whose sink is NaN or +inf, then the first sequence of q_lens, then
-// of kv_lens, whose length is outside [0, the tensors' length].
+// check()'s verdict on p, modeled: check() itself on p without ALiBi, sinks and lengths for
+// every other rule, and the rules on those, which come after every rule but those on lse's
+// strides: the first head whose ALiBi slope is outside [0, 2^32] (NaN too), an offset outside
+// [-2^62, 2^62], the first head whose sink is NaN or +inf, then the first sequence of q_lens,
+// then of kv_lens, whose length is outside [0, the tensors' length].
 std::string expected_check(const Problem& p) {
   Problem plain = p;
+  plain.alibi = nullptr;
   plain.sinks = nullptr;
   plain.q_lens = plain.kv_lens = nullptr;
   std::string other = check(plain);
   const auto starts = [&](const char* prefix) { return other.rfind(prefix, 0) == 0; };
   if (!other.empty() && !starts("lse strides ") && !starts("highest offset of lse ")) return other;
+  for (i64 h = 0; p.alibi != nullptr && h < p.q_heads; ++h) {
+    const float a = p.alibi[h];
+    if (std::isnan(a) || a < 0.0f || a > 4294967296.0f) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", static_cast<double>(a));
+      return "alibi[" + std::to_string(h) + "] (" + text + ") must be within [0, 2^32]";
+    }
+  }
+  if (p.alibi != nullptr && (p.alibi_offset < -(i64{1} << 62) || p.alibi_offset > (i64{1} << 62))) {
+    return "alibi_offset (" + std::to_string(p.alibi_offset) + ") must be within [-2^62, 2^62]";
+  }
   for (i64 h = 0; p.sinks != nullptr && h < p.q_heads; ++h) {
     const float s = p.sinks[h];
     if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
@@ -540,26 +617,28 @@ void verify_admitted(const Problem& p) {
 }
 
 // check_call's verdict for these pointers (q, k, v, o, lse), from exact address ranges. The
-// inputs are q, k and v, then the problem's sinks (q_heads floats), q_lens and kv_lens (batch
-// int64s each) when given; each output, o first, is checked against each input in turn.
+// inputs are q, k and v, then the problem's sinks and ALiBi slopes (q_heads floats each),
+// q_lens and kv_lens (batch int64s each) when given; each output, o first, is checked against
+// each input in turn.
 std::string expected_verdict(const Problem& p, const float* const* ptr) {
   std::string message = expected_check(p);
   if (!message.empty()) return message;
-  const char* names[8] = {"q", "k", "v", "o", "lse", "sinks", "q_lens", "kv_lens"};
+  const char* names[9] = {"q", "k", "v", "o", "lse", "sinks", "alibi", "q_lens", "kv_lens"};
   for (int t = 0; t < 4; ++t) {
     if (ptr[t] == nullptr) return std::string(names[t]) + " must not be null";
   }
-  const void* base[8] = {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], p.sinks, p.q_lens, p.kv_lens};
-  const i128 bytes[8] = {i128{q_extent(p)} * 4, i128{k_extent(p)} * 4,   i128{v_extent(p)} * 4,
+  const void* base[9] = {ptr[0],  ptr[1],  ptr[2],   ptr[3],   ptr[4],
+                         p.sinks, p.alibi, p.q_lens, p.kv_lens};
+  const i128 bytes[9] = {i128{q_extent(p)} * 4, i128{k_extent(p)} * 4,   i128{v_extent(p)} * 4,
                          i128{o_extent(p)} * 4, i128{lse_extent(p)} * 4, i128{p.q_heads} * 4,
-                         i128{p.batch} * 8,     i128{p.batch} * 8};
+                         i128{p.q_heads} * 4,   i128{p.batch} * 8,       i128{p.batch} * 8};
   const auto begin = [&](int t) { return i128{reinterpret_cast<std::uintptr_t>(base[t])}; };
   const auto end = [&](int t) { return begin(t) + bytes[t]; };
   const auto overlap = [&](int a, int b) {
     return base[a] != nullptr && base[b] != nullptr && begin(a) < end(b) && begin(b) < end(a);
   };
   const int outputs = ptr[4] != nullptr ? 5 : 4;
-  const int inputs[6] = {0, 1, 2, 5, 6, 7};
+  const int inputs[7] = {0, 1, 2, 5, 6, 7, 8};
   for (int out = 3; out < outputs; ++out) {
     for (int in : inputs) {
       if (overlap(out, in)) {
@@ -604,12 +683,12 @@ std::array<std::uintptr_t, 5> read_fake_addresses(Bytes& in) {
   return addr;
 }
 
-// check_call on the fake addresses, with o or lse moved into p's sinks, q_lens or kv_lens
-// array as the extras say (those arrays are real). A rejected call must be rejected by
+// check_call on the fake addresses, with o or lse moved into p's sinks, q_lens, kv_lens or
+// alibi array as the extras say (those arrays are real). A rejected call must be rejected by
 // mha::attention too, before it reads anything (a read would fault), and an invalid problem
 // by mha::merge.
 void fake_addresses(std::array<std::uintptr_t, 5> addr, const Extras& extras, const Problem& p) {
-  const void* arrays[3] = {p.sinks, p.q_lens, p.kv_lens};
+  const void* arrays[4] = {p.sinks, p.q_lens, p.kv_lens, p.alibi};
   const void* array = arrays[extras.fake_array];
   if ((extras.fake_output == 1 || extras.fake_output == 2) && array != nullptr) {
     std::uintptr_t& a = extras.fake_output == 1 ? addr[3] : addr[4];
@@ -1575,6 +1654,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   p.kv_lens = extras.kv_lens.get();
   p.window = extras.window;
   p.softcap = extras.softcap;
+  p.alibi = extras.alibi.get();
+  p.alibi_offset = extras.alibi_offset;
 
   const std::string message = check(p);
   expect(check(p) == message, "check() is not deterministic");

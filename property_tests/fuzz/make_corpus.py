@@ -194,7 +194,7 @@ def lengths(q=None, kv=None):
 
 NO_LENGTHS = bytes([0])
 O, LSE = 1, 2  # outputs for fake_at
-SINKS, Q_LENS, KV_LENS = 0, 1, 2  # arrays
+SINKS, Q_LENS, KV_LENS, ALIBI = 0, 1, 2, 3  # arrays
 
 
 def fake_at(output, array, offset):  # a fake o or lse `offset` floats from the array's start
@@ -223,9 +223,32 @@ def softcap(c):  # read_softcap()'s mode 1: the float itself (NaN, negative, +in
     return bytes([1]) + struct.pack("<f", c)
 
 
+NO_ALIBI = b""  # read_alibi() past the input's end: mode 0, none
+
+
+def alibi_byte(b):  # alibi_slope()'s byte: below 0x80 2^(b / 8 - 12), else a special
+    return bytes([b])
+
+
+def alibi_all(slope, offset=0):  # read_alibi()'s mode 1: one slope byte for every head
+    return bytes([1]) + slope + field(offset)
+
+
+def alibi_each(*slopes, offset=0):  # mode 2: a slope byte per head
+    return bytes([2]) + b"".join(slopes) + field(offset)
+
+
+def alibi_geometric(offset=0):  # mode 3: 2^(-8 (h + 1) / heads)
+    return bytes([3]) + field(offset)
+
+
+def alibi_float(x, offset=0):  # mode 1 with any float (4 bytes) for every head
+    return bytes([1, 0xa0]) + struct.pack("<f", x) + field(offset)
+
+
 def extras(sinks=NO_SINKS, lens=NO_LENGTHS, fake=bytes([0]), place=bytes([0]), win=NO_WINDOW,
-           cap=NO_SOFTCAP):
-    return sinks + lens + fake + place + win + cap
+           cap=NO_SOFTCAP, alibi=NO_ALIBI):
+    return sinks + lens + fake + place + win + cap + alibi
 
 
 def attention_seeds():
@@ -396,6 +419,43 @@ def attention_seeds():
         s[f"softcap-{name}"] = (problem(1, 3, 5, 2, 1, 4) + run + values(seed=75) +
                                 calls(ALL_CALLS, 1) + extras(cap=softcap(c)))
 
+    # ALiBi: geometric slopes on a causal prefill (bottom-right positions, q_len < kv_len), a
+    # non-causal problem with an offset (distances both ways), a split decode (the driver's
+    # chunks keep the whole's distances), a ragged batch, a wall (2^3.9 per key: far keys weigh
+    # nothing), with a soft-cap, sinks and a window, NaN and Inf inputs, all-zero slopes; and
+    # the slopes and offsets check() rejects.
+    s["alibi-prefill"] = (problem(1, 24, 40, 4, 2, 16, causal=True) + run + values(seed=80) +
+                          calls(ALL_CALLS, 9, 1) + extras(alibi=alibi_geometric()))
+    s["alibi-offset-not-causal"] = (problem(1, 9, 30, 2, 1, 8) + run + values(seed=81) +
+                                    calls(ALL_CALLS, 9, 1) +
+                                    extras(alibi=alibi_each(alibi_byte(70), alibi_byte(90),
+                                                            offset=-12)))
+    s["alibi-decode-split-kv"] = (problem(1, 1, 1500, 4, 1, 8, k=HEAD, v=HEAD) + run +
+                                  values(seed=82) + calls(ALL_CALLS, 9, 1) +
+                                  extras(alibi=alibi_geometric()))
+    s["alibi-ragged"] = (problem(3, 5, 9, 4, 2, 8, causal=True) + run + values(seed=83) +
+                         calls(1 | EVERY_KERNEL, 0, 1) +
+                         extras(lens=lengths(lens_each(5, 2, 0), lens_each(9, 1, 4)),
+                                alibi=alibi_geometric(offset=3)))
+    s["alibi-wall"] = (problem(1, 20, 20, 2, 2, 8, causal=True) + run + values(seed=84) +
+                       calls(ALL_CALLS, 1) + extras(alibi=alibi_all(alibi_byte(0x7f))))
+    s["alibi-softcap-sinks-window-every-kernel"] = (
+        problem(1, 12, 50, 4, 2, 8, causal=True) + run + values(seed=85) +
+        calls(1 | EVERY_KERNEL, 0, 1) + extras(sinks_each(1, "-inf", -2, 0.5), win=window(9),
+                                               cap=softcap(0.75), alibi=alibi_geometric()))
+    s["alibi-nan-inf-inputs"] = (problem(1, 5, 30, 2, 1, 8, causal=True) + run +
+                                 values(2, seed=86) + calls(ALL_CALLS, 1) +
+                                 extras(alibi=alibi_geometric()))
+    s["alibi-zeros"] = (problem(1, 6, 9, 2, 1, 8, causal=True) + run + values(seed=87) +
+                        calls(ALL_CALLS, 1) + extras(alibi=alibi_all(alibi_byte(0x80), offset=5)))
+    for name, x in [("nan", float("nan")), ("negative", -2.0**-149), ("huge", 2.0**32 + 512),
+                    ("inf", float("inf"))]:
+        s[f"reject-alibi-{name}"] = (problem(1, 3, 5, 2, 1, 4) + run + values(seed=88) +
+                                     calls(ALL_CALLS, 1) + extras(alibi=alibi_float(x)))
+    s["reject-alibi-offset-huge"] = (problem(1, 3, 5, 2, 1, 4) + run + values(seed=88) +
+                                     calls(ALL_CALLS, 1) +
+                                     extras(alibi=alibi_geometric(offset=2**62 + 1)))
+
     # check() rejections, one rule each.
     small = dict(b=1, lq=2, lk=3, h=2, hkv=1, d=4)
 
@@ -454,6 +514,8 @@ def attention_seeds():
     ok2 = problem(**dict(small, b=2))
     s["call-o-overlaps-sinks"] = ok + OWN_ALL + NO_RUN + extras(sinks_each(1, 2),
                                                                fake=fake_at(O, SINKS, -3))
+    s["call-o-overlaps-alibi"] = ok + OWN_ALL + NO_RUN + extras(fake=fake_at(O, ALIBI, -3),
+                                                               alibi=alibi_geometric())
     s["call-lse-overlaps-kv-lens"] = ok2 + OWN_ALL + NO_RUN + extras(
         lens=lengths(kv=lens_each(3, 1)), fake=fake_at(LSE, KV_LENS, 3))
     s["call-o-after-q-lens"] = ok2 + OWN_ALL + NO_RUN + extras(

@@ -111,8 +111,8 @@ const KernelInfo* stand_in(const Mutant& m, KernelInfo& info, std::string& why_n
 /// on long decodes (equivalence_test.cpp's LongDecode); the
 /// driver's split-KV property first (most driver mutants are in the split), then the reference
 /// and the thread-count ones, with the best kernel of this machine as the driver's worker.
-/// `variants` false: cases without sinks, sliding windows and soft-caps, for the naive mutants of
-/// mutants.cpp, which implement neither (mutants_test.cpp draws the same).
+/// `variants` false: cases without sinks, sliding windows, soft-caps and ALiBi, for the naive
+/// mutants of mutants.cpp, which implement none (mutants_test.cpp draws the same).
 std::vector<Property> properties(const KernelInfo& kernel, const ParallelDriver* driver,
                                  bool variants = true) {
   if (driver == nullptr) {
@@ -120,19 +120,22 @@ std::vector<Property> properties(const KernelInfo& kernel, const ParallelDriver*
     plain.any_sinks = long_decode.any_sinks = variants;
     plain.any_window = long_decode.any_window = variants;
     plain.any_softcap = long_decode.any_softcap = variants;
+    plain.any_alibi = long_decode.any_alibi = variants;
     long_decode.long_decode = true;
     std::vector<Property> out = {
         {"equivalence", [kernel, plain] { check_equivalence(kernel, *gen_case(plain)); }},
         {"long decode",
          [kernel, long_decode] { check_equivalence(kernel, *gen_case(long_decode)); }}};
-    if (variants) {  // equivalence_test.cpp's SlidingWindow and SoftCapped
-      CaseOptions windows, softcaps;
+    if (variants) {  // equivalence_test.cpp's SlidingWindow, SoftCapped and Alibi
+      CaseOptions windows, softcaps, alibi;
       windows.only_windows = true;
       softcaps.only_softcaps = true;
+      alibi.only_alibi = true;
       out.push_back(
           {"window", [kernel, windows] { check_equivalence(kernel, *gen_case(windows)); }});
       out.push_back(
           {"softcap", [kernel, softcaps] { check_equivalence(kernel, *gen_case(softcaps)); }});
+      out.push_back({"alibi", [kernel, alibi] { check_equivalence(kernel, *gen_case(alibi)); }});
     }
     return out;
   }

@@ -30,6 +30,9 @@
 //   o = sum_j exp(s[j] - lse) v[j]; a row that sees no key gets o = 0 and lse = sinks[h].
 // * Logit soft-capping (Problem::softcap = c > 0, Gemma 2): each s[j] becomes c tanh(s[j] / c)
 //   before the softmax (the sinks are not capped); o and lse are those of the capped logits.
+// * ALiBi (Problem::alibi, a slope per query head): head h adds -alibi[h] |pos_i - j| to s[j],
+//   pos_i = i + kv_len - q_len (+ Problem::alibi_offset) the row's position, after the
+//   soft-cap; the kernels compute it, no mask is materialised.
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.
@@ -162,11 +165,36 @@ struct Problem {
   /// to within 4 u c (u = 2^-24) of the capped logit of their computed s: mha::support::Softcap,
   /// measured in property_tests/softcap_test.cpp; reference/tolerance.h counts it.
   float softcap = 0.0f;
+  /// ALiBi (Press et al.; BLOOM, MPT): null (none), or one slope per query head, alibi[h] for
+  /// h < q_heads, each finite and within [0, 2^32] (check()): head h adds
+  ///   -alibi[h] |pos_i - j|,  pos_i = i + kv_len - q_len + alibi_offset,
+  /// to the logit of query row i and key j, after the soft-cap (the sinks get none). pos_i is
+  /// the row's position among the keys, bottom-right as the causal rule aligns (with a ragged
+  /// batch: on each sequence's own lengths); the distance is symmetric, so it means the same
+  /// without causal masking. A sub-problem of heads [h0, h0 + n) takes alibi + h0. Zero slopes
+  /// are no ALiBi, bit for bit. lse includes the bias.
+  const float* alibi = nullptr;
+  /// Where ALiBi's distances count from (Problem::alibi; unused without): 0 for a whole
+  /// sequence. A call over a slice of a longer problem's rows or keys sets it so that its
+  /// distances stay the whole problem's (mha::slice_offset; the parallel driver's units and
+  /// split-KV chunks). Within [-2^62, 2^62] (check()).
+  std::int64_t alibi_offset = 0;
 };
 
 /// True when p soft-caps its logits (Problem::softcap finite and positive; 0 and +inf: none).
 inline bool soft_capped(const Problem& p) {
   return p.softcap > 0.0f && p.softcap < std::numeric_limits<float>::infinity();
+}
+
+/// True when p adds ALiBi biases (Problem::alibi).
+inline bool has_alibi(const Problem& p) { return p.alibi != nullptr; }
+
+/// The alibi_offset of a call over rows [r0, row_end) and keys [c0, key_end) of p (one
+/// sequence: no length arrays), as a problem of row_end - r0 rows and key_end - c0 keys, so
+/// that its ALiBi distances are p's. Only the ends count: the call's rows are bottom-right
+/// aligned to its keys, and r0, c0 shift rows and keys alike.
+inline std::int64_t slice_offset(const Problem& p, std::int64_t row_end, std::int64_t key_end) {
+  return p.alibi_offset + (p.kv_len - p.q_len) + row_end - key_end;
 }
 
 /// True when p has per-sequence lengths (Problem::q_lens or kv_lens).
@@ -562,8 +590,8 @@ inline std::string str_g(float v) {
 
 }  // namespace detail
 
-/// Validates shapes, strides, scale, the window, the soft-cap, the sinks' values and the
-/// sequences' lengths.
+/// Validates shapes, strides, scale, the window, the soft-cap, the ALiBi slopes and offset, the
+/// sinks' values and the sequences' lengths.
 /// Returns an empty string when the problem is valid, otherwise one message naming the field and
 /// the constraint it breaks.
 inline std::string check(const Problem& p) {
@@ -645,6 +673,18 @@ inline std::string check(const Problem& p) {
       !(p.softcap >= 0x1p-126f && p.softcap <= 0x1p120f)) {
     return "softcap (" + detail::str_g(p.softcap) +
            ") must be 0 or +inf (none), or within [2^-126, 2^120]";
+  }
+
+  if (p.alibi != nullptr) {
+    for (std::int64_t h = 0; h < p.q_heads; ++h) {
+      const float a = p.alibi[h];
+      if (!(a >= 0.0f && a <= 0x1p32f)) {
+        return "alibi[" + str(h) + "] (" + detail::str_g(a) + ") must be within [0, 2^32]";
+      }
+    }
+    if (p.alibi_offset < -(std::int64_t{1} << 62) || p.alibi_offset > (std::int64_t{1} << 62)) {
+      return "alibi_offset (" + str(p.alibi_offset) + ") must be within [-2^62, 2^62]";
+    }
   }
 
   if (p.sinks != nullptr) {

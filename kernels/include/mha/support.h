@@ -167,6 +167,65 @@ inline Softcap Softcap::of(const Problem& p, double units) {
   return c;
 }
 
+/// ALiBi (Problem::alibi) in a kernel's logit units b (1: natural; log2(e): base 2): row i of
+/// head h adds rate_h |d| to its logit of a key at distance d = pos_i - j, rate_h = -slope_h b
+/// rounded once. add() takes a row's logits of consecutive keys from the first one's distance
+/// d0: the k-th key's distance is d0 - k, evaluated in float as float(d0) - k (exact below 2^24;
+/// beyond, two roundings), the bias rate |d| (one more) added to the logit (one more): the
+/// roundings reference/tolerance.h's step 9 counts. A zero slope adds -0: the logit's bits stay.
+///
+/// add() also returns the biased row's max (a kernel's running max must be that of the biased
+/// logits: the bias moves the max to other keys), taken on the bits as ordered integers (x's
+/// bits, the magnitude bits flipped for negative x), so that its loop vectorizes for the
+/// includer's ISA under GCC's default -ftrapping-math, where a float comparison does not. A NaN
+/// of positive sign orders above +inf, one of negative sign below -inf: the max may be NaN; the
+/// row's output is then NaN, as its NaN weight alone makes it.
+struct Alibi {
+  const float* slopes = nullptr;  ///< the problem's, null without ALiBi
+  double units = 1.0;             ///< b
+  std::int64_t position0 = 0;     ///< row 0's position among the keys
+
+  /// p's ALiBi (none: slopes null) for logits in units `units` (1 or kLog2e).
+  static Alibi of(const Problem& p, double units) {
+    return {p.alibi, units, p.kv_len - p.q_len + p.alibi_offset};
+  }
+
+  bool on() const { return slopes != nullptr; }
+
+  /// rate_h of query head h: -slope_h b, rounded once.
+  float rate(std::int64_t head) const {
+    return static_cast<float>(-static_cast<double>(slopes[head]) * units);
+  }
+
+  /// The distance pos_i - j of key j from query row i.
+  std::int64_t distance(std::int64_t row, std::int64_t key) const { return position0 + row - key; }
+
+  /// s[k] += rate |d0 - k| for k < n, d0 the distance of s[0]'s key; returns the max of the
+  /// biased s[0 .. n) (-inf for n = 0).
+  static MHA_ALWAYS_INLINE float add(float rate, std::int64_t d0, float* s, std::int64_t n) {
+    constexpr std::int32_t kMinusInf = static_cast<std::int32_t>(0xFF800000u ^ 0x7FFFFFFFu);
+    constexpr std::int64_t kChunk = std::int64_t{1} << 22;  // k exact in float
+    std::int32_t most = kMinusInf;
+    for (std::int64_t k0 = 0; k0 < n; k0 += kChunk) {
+      const auto m = static_cast<std::int32_t>(n - k0 < kChunk ? n - k0 : kChunk);
+      const auto base = static_cast<float>(d0 - k0);
+      float* x = s + k0;
+      for (std::int32_t k = 0; k < m; ++k) {
+        const float y = x[k] + rate * std::fabs(base - static_cast<float>(k));
+        x[k] = y;
+        std::int32_t bits;
+        std::memcpy(&bits, &y, sizeof bits);
+        const std::int32_t ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF);
+        most = ordered > most ? ordered : most;
+      }
+    }
+    const std::int32_t bits = most ^ ((most >> 31) & 0x7FFFFFFF);
+    float max;
+    std::memcpy(&max, &bits, sizeof max);
+    return max;
+  }
+};
+
 constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
 constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t m) { return (n + m - 1) / m; }
 

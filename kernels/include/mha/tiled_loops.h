@@ -11,7 +11,8 @@
 //     for each KV tile of Bc = kKeys keys some row of the block sees:
 //       pack K^T into panels Kp[panel][d][P]                             K::pack_k
 //       S = scale log2(e) Q K^T, K panel by K panel, each panel reused   tile_logits,
-//         by every group from L1; soft-capped with Problem::softcap      K::logits_tile<MR>
+//         by every group from L1; soft-capped (Problem::softcap), then    K::logits_tile<MR>
+//         ALiBi's bias added (Problem::alibi)
 //       online softmax in base 2 per row                                 K::online_softmax
 //       pack V into column panels Vp[panel][key][P]                      K::pack_v
 //       O = alpha O + P V, V panel by V panel                            tile_pv, K::pv_tile<MR>
@@ -23,7 +24,7 @@
 //     for each tile of support::decode_tile_keys keys, the next one prefetched:
 //       for each row that sees a key of the tile:
 //         S, a few keys at a time, a prefetch step after each            K::decode_logits
-//           (soft-capped after, with Problem::softcap)                   cap_row
+//           (soft-capped and biased after: Problem::softcap, alibi)      shape_row
 //         online softmax, base 2: m, alpha, P = 2^(S - m), l             K::decode_weights
 //         O = alpha O + P V                                              K::decode_pv
 //     o = O / l, lse = (m + log2 l) ln2                                  K::finish_row
@@ -191,23 +192,39 @@ struct Loops {
     return static_cast<float>(static_cast<double>(p.scale) * mha::support::kLog2e);
   }
 
-  // Problem::softcap in base-2 units (off without one).
-  static mha::support::Softcap softcap(const mha::Problem& p) {
-    return mha::support::Softcap::of(p, mha::support::kLog2e);
+  // What becomes of the logits after Q K^T, in base-2 units: Problem::softcap's cap, then
+  // Problem::alibi's bias (each off without).
+  struct Shaping {
+    mha::support::Softcap cap;
+    mha::support::Alibi alibi;
+    bool on() const { return cap.on() || alibi.on(); }
+  };
+  static Shaping shaping(const mha::Problem& p) {
+    return {mha::support::Softcap::of(p, mha::support::kLog2e),
+            mha::support::Alibi::of(p, mha::support::kLog2e)};
   }
 
-  // A decode row's `cols` logits in w soft-capped in place, and their max `most` (ignoring
-  // NaN) with them: the max of the capped logits. kCapped false: nothing. The decode loops
-  // are instantiated per kCapped: with the cap's values and its test in the uncapped loop,
-  // avx2's fp32 decode from memory ran 1.19 times as long (H=32 Hkv=8 Lk=32768, 6 rounds).
-  template <bool kCapped>
-  static MHA_ALWAYS_INLINE float cap_row(const mha::support::Softcap& cap, float* w,
-                                         std::int64_t cols, float most) {
-    if constexpr (!kCapped) {
+  // The `cols` logits in w of query row `row` of head `head` from key `key` shaped in place,
+  // and their max given the max `most` (ignoring NaN) of the unshaped ones: the cap of the max
+  // (the cap is monotonic: the max of the caps, to the last ulps mha::support::Softcap gives),
+  // or with ALiBi the biased logits' own. kShaped false: nothing. The decode loops are
+  // instantiated per kShaped: with the cap's values and its test in the plain loop, avx2's fp32
+  // decode from memory ran 1.19 times as long (H=32 Hkv=8 Lk=32768, 6 rounds).
+  template <bool kShaped>
+  static MHA_ALWAYS_INLINE float shape_row(const Shaping& shape, float* w, std::int64_t cols,
+                                           float most, std::int64_t head, std::int64_t row,
+                                           std::int64_t key) {
+    if constexpr (!kShaped) {
       return most;
     } else {
-      cap.apply(w, cols);
-      return cap(most);
+      if (shape.cap.on()) {
+        shape.cap.apply(w, cols);
+        most = shape.cap(most);
+      }
+      if (shape.alibi.on()) {
+        most = shape.alibi.add(shape.alibi.rate(head), shape.alibi.distance(row, key), w, cols);
+      }
+      return most;
     }
   }
 
@@ -293,11 +310,11 @@ struct Loops {
     std::fill(s.acc, s.acc + padded * s.dim_p, 0.0f);
   }
 
-  // S = scale log2(e) Q K^T, K panel by K panel, each panel reused by every group from L1;
-  // rowmax takes each row's lane maxima; then soft-capped by `cap` (base-2 units) if on.
-  // Steps v_ahead once per microkernel call.
-  static void tile_logits(const mha::Problem& p, const Block& block, std::int64_t keys, float c,
-                          const mha::support::Softcap& cap, const Scratch& s,
+  // S = scale log2(e) Q K^T for the tile of keys [c0, c0 + keys), K panel by K panel, each
+  // panel reused by every group from L1; rowmax takes each row's lane maxima; then shaped
+  // (soft-capped, ALiBi) by `shape`. Steps v_ahead once per microkernel call.
+  static void tile_logits(const mha::Problem& p, const Block& block, std::int64_t c0,
+                          std::int64_t keys, float c, const Shaping& shape, const Scratch& s,
                           RowPrefetch& v_ahead) {
     const std::int64_t panel = K::panel(), lanes = K::lanes();
     std::fill(s.rowmax, s.rowmax + lanes * padded_rows(block.rows), neg_inf());
@@ -338,18 +355,17 @@ struct Loops {
       std::fill(lane, lane + lanes, neg_inf());
       lane[0] = most;
     }
-    // Soft-capping: each row's logits capped in place, and its max with them, in lane 0 (the
-    // cap is monotonic: the cap of the max is the max of the caps, to the last ulps that
-    // mha::support::Softcap gives). Masked logits stay -inf, out of the weights.
-    if (cap.on()) {
+    // Soft-capping and ALiBi: each row's logits shaped in place, and its max with them, in
+    // lane 0 (shape_row). Masked logits stay -inf, out of the weights.
+    if (shape.on()) {
       for (std::int64_t t = 0; t < block.rows; ++t) {
         if (s.cols[t] == 0) continue;
-        cap.apply(s.s + t * kKeys + s.first[t], s.cols[t] - s.first[t]);
         float* lane = s.rowmax + lanes * t;
         float most = lane[0];  // no lane is NaN
         for (std::int64_t w = 1; w < lanes; ++w) most = lane[w] > most ? lane[w] : most;
         std::fill(lane, lane + lanes, neg_inf());
-        lane[0] = cap(most);
+        lane[0] = shape_row<true>(shape, s.s + t * kKeys + s.first[t], s.cols[t] - s.first[t], most,
+                                  block.head(t), block.row(t), c0 + s.first[t]);
       }
     }
   }
@@ -444,7 +460,7 @@ struct Loops {
                       float* lse, mha::Workspace ws) {
     const std::int64_t dim = p.head_dim, panel = K::panel();
     const float c = logit_scale(p);
-    const mha::support::Softcap cap = softcap(p);
+    const Shaping shape = shaping(p);
     Carve workspace(ws.data);
     const Scratch s = carve(p, workspace);
     mha::support::for_each_block(p, rows_per_head(p), [&](const Block& block) {
@@ -482,7 +498,7 @@ struct Loops {
         std::int64_t seq = 0;
         tile_rows(p, k_head, p.k, p.k_scale, c0, keys, s.wide, &rows, &seq);
         K::pack_k(rows, seq, keys, dim, s.kp);
-        tile_logits(p, block, keys, c, cap, s, v_ahead);
+        tile_logits(p, block, c0, keys, c, shape, s, v_ahead);
         tile_softmax(block, s);
         tile_rows(p, v_head, p.v, p.v_scale, c0, keys, s.wide, &rows, &seq);
         K::pack_v(rows, seq, keys, dim, s.vp);
@@ -553,7 +569,7 @@ struct Loops {
 
   // Prefetch: the next tile's K and V rows, spread over the S steps of every row (a few whole
   // rows per kDotKeys keys, through one counter: the S loop has no register to spare).
-  template <bool kCapped>
+  template <bool kShaped>
   static void decode_rows(const mha::Problem& p, const float* q, const float* k, const float* v,
                           float* o, float* lse, mha::Workspace ws) {
     const std::int64_t dim = p.head_dim;
@@ -562,7 +578,7 @@ struct Loops {
     const DecodeScratch s = carve_decode(p, workspace);
     const std::int64_t tile_keys = s.tile_keys;
     const float c = logit_scale(p);
-    const mha::support::Softcap cap = softcap(p);
+    const Shaping shape = shaping(p);
     // Prefetch steps per tile: one per kDotKeys keys of every row's S.
     const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
 
@@ -604,9 +620,10 @@ struct Loops {
           const std::int64_t cols = block.tile_keys_seen(p, t, c0, keys) - first;
           if (cols == 0) continue;
           const float tile_max =
-              cap_row<kCapped>(cap, s.weights, cols,
-                               K::decode_logits(block.q_row(p, q, t), k_tile + first * p.k.seq,
-                                                p.k.seq, cols, dim, c, s.weights, prefetch_step));
+              shape_row<kShaped>(shape, s.weights, cols,
+                                 K::decode_logits(block.q_row(p, q, t), k_tile + first * p.k.seq,
+                                                  p.k.seq, cols, dim, c, s.weights, prefetch_step),
+                                 block.head(t), block.row(t), c0 + first);
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
@@ -632,7 +649,7 @@ struct Loops {
   // (decode_logits_kv, decode_pv_kv); otherwise each tile's K and V rows are widened into
   // s.k_wide and s.v_wide first (in L1: decode_tile_keys sizes a tile for its K and V in
   // fp32), which the fp32 pieces then read for all the KV head's rows.
-  template <mha::KvType T, bool kCapped>
+  template <mha::KvType T, bool kShaped>
   static void decode_rows_kv(const mha::Problem& p, const float* q, const mha::KvView& k,
                              const mha::KvView& v, float* o, float* lse, mha::Workspace ws) {
     const std::int64_t dim = p.head_dim;
@@ -641,7 +658,7 @@ struct Loops {
     const DecodeScratch s = carve_decode(p, workspace);
     const std::int64_t tile_keys = s.tile_keys;
     const float c = logit_scale(p);
-    const mha::support::Softcap cap = softcap(p);
+    const Shaping shape = shaping(p);
     const std::int64_t steps = rows * mha::support::ceil_div(tile_keys, K::kDotKeys);
     constexpr auto kBytes = static_cast<std::int64_t>(mha::kv_type_bytes(T));
     const std::int64_t k_bytes = p.k.seq * kBytes, v_bytes = p.v.seq * kBytes, row = dim * kBytes;
@@ -702,7 +719,8 @@ struct Loops {
             tile_max = K::decode_logits(block.q_row(p, q, t), s.k_wide + first * dim, dim, cols,
                                         dim, c, s.weights, prefetch_step);
           }
-          tile_max = cap_row<kCapped>(cap, s.weights, cols, tile_max);
+          tile_max = shape_row<kShaped>(shape, s.weights, cols, tile_max, block.head(t),
+                                        block.row(t), c0 + first);
           float alpha = 1.0f;
           if (tile_max > ms[t]) {
             alpha = std::exp2(ms[t] - tile_max);  // exactly 0 when the old max is -inf
@@ -737,7 +755,8 @@ struct Loops {
                 cols, dim, c, s.weights, s.ldw, tile_max, prefetch_step);
             for (int r = 0; r < R; ++r) {
               const std::int64_t t = t0 + r * p.q_len;
-              tile_max[r] = cap_row<kCapped>(cap, s.weights + r * s.ldw, cols, tile_max[r]);
+              tile_max[r] = shape_row<kShaped>(shape, s.weights + r * s.ldw, cols, tile_max[r],
+                                               block.head(t), block.row(t), c0 + first);
               alpha[r] = 1.0f;
               if (tile_max[r] > ms[t]) {
                 alpha[r] = std::exp2(ms[t] - tile_max[r]);  // 0 when the old max is -inf
@@ -794,18 +813,18 @@ struct Loops {
         mha::support::workspace_bytes([&](Carve& c) { carve(p, c); }));
   }
 
-  // A decode of any KV type, soft-capped or not (kCapped: cap_row).
-  template <bool kCapped>
+  // A decode of any KV type, its logits shaped or not (kShaped: shape_row).
+  template <bool kShaped>
   static void decode(const mha::Problem& p, const float* q, const mha::KvView& k,
                      const mha::KvView& v, float* o, float* lse, mha::Workspace ws) {
     if (p.kv_type == mha::KvType::f16) {
-      decode_rows_kv<mha::KvType::f16, kCapped>(p, q, k, v, o, lse, ws);
+      decode_rows_kv<mha::KvType::f16, kShaped>(p, q, k, v, o, lse, ws);
     } else if (p.kv_type == mha::KvType::bf16) {
-      decode_rows_kv<mha::KvType::bf16, kCapped>(p, q, k, v, o, lse, ws);
+      decode_rows_kv<mha::KvType::bf16, kShaped>(p, q, k, v, o, lse, ws);
     } else if (p.kv_type == mha::KvType::i8) {
-      decode_rows_kv<mha::KvType::i8, kCapped>(p, q, k, v, o, lse, ws);
+      decode_rows_kv<mha::KvType::i8, kShaped>(p, q, k, v, o, lse, ws);
     } else {
-      decode_rows<kCapped>(p, q, static_cast<const float*>(k.data),
+      decode_rows<kShaped>(p, q, static_cast<const float*>(k.data),
                            static_cast<const float*>(v.data), o, lse, ws);
     }
   }
@@ -815,7 +834,7 @@ struct Loops {
                   float* o, float* lse, mha::Workspace ws) {
     const bool typed = p.kv_type != mha::KvType::f32;
     if (decodes(p)) {
-      if (softcap(p).on()) {
+      if (shaping(p).on()) {
         decode<true>(p, q, k, v, o, lse, ws);
       } else {
         decode<false>(p, q, k, v, o, lse, ws);
