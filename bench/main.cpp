@@ -2,9 +2,10 @@
 // and KV-sharing sweeps, with this machine's own limits measured in the same run.
 //
 // Names: <family>/<kernel>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<0|1>
-// [/kv:<f16|bf16|i8>][/sinks:1][/window:<w>][/softcap:<c>]/threads:<n>. /sinks:1: with
-// attention sinks (Problem::sinks, sink_logits below); /window:<w>: a sliding window of w keys
-// (Problem::window); /softcap:<c>: logits soft-capped at c (Problem::softcap).
+// [/kv:<f16|bf16|i8>][/sinks:1][/window:<w>][/softcap:<c>][/alibi:1]/threads:<n>. /sinks:1:
+// with attention sinks (Problem::sinks, sink_logits below); /window:<w>: a sliding window of w
+// keys (Problem::window); /softcap:<c>: logits soft-capped at c (Problem::softcap); /alibi:1:
+// ALiBi with the paper's slopes (Problem::alibi, alibi_slopes below).
 // Family ragged: a decode step of B sequences whose caches hold different numbers of keys
 // (Problem::kv_lens, ragged_lengths below), Lk their capacity. Counters: GFLOPS, peak_frac; decode
 // also GBps, kv_bytes, bw_frac; a reduced KV type also kv_err_max, kv_err_rms (docs/benchmarks.md).
@@ -102,6 +103,7 @@ struct Shape {
   // composed baselines, no peers), for the variant's time over the same kernel's without it.
   bool kernels_only = false;
   float softcap = 0.0f;  // logit soft-capping (Problem::softcap): "/softcap:<c>" unless 0
+  bool alibi = false;    // ALiBi (Problem::alibi, alibi_slopes): "/alibi:1" in the name
 
   std::string name(const std::string& impl) const {
     std::ostringstream os;
@@ -112,6 +114,7 @@ struct Shape {
        << (sinks ? "/sinks:1" : "")
        << (window > 0 ? "/window:" + std::to_string(window) : std::string());
     if (softcap > 0.0f) os << "/softcap:" << softcap;  // as %g: 20, 50, 0.5
+    if (alibi) os << "/alibi:1";
     os << "/threads:" << threads;
     return os.str();
   }
@@ -127,6 +130,22 @@ struct Shape {
 std::vector<float>& sink_logits(const std::string& shape) {
   static std::map<std::string, std::vector<float>> made;
   return made[shape];
+}
+
+// ALiBi's slopes for `heads` query heads as the paper sets them (BLOOM, MPT), 2^(-8 (h + 1) /
+// heads): 0.84 down to 1/256 at 32 heads, so that head 0's bias over the main prefill's 2048
+// keys reaches -1700 and head 31's -8 (an output that ignored them fails the check). Kept for
+// the life of the process, so that problems may point at them.
+const std::vector<float>& alibi_slopes(std::int64_t heads) {
+  static std::map<std::int64_t, std::vector<float>> made;
+  std::vector<float>& slopes = made[heads];
+  if (slopes.empty()) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      slopes.push_back(static_cast<float>(
+          std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(heads))));
+    }
+  }
+  return slopes;
 }
 
 // The keys of each sequence of a ragged shape: B lengths evenly spread from Lk / 32 to Lk
@@ -168,6 +187,9 @@ std::vector<Shape> shapes(Size size, int cores) {
     Shape capped{"prefill", 1, 4, 2, 128, 128, 64, true, 1};
     capped.softcap = kSoftcap;
     out.push_back(capped);
+    Shape biased{"prefill", 1, 4, 2, 128, 128, 64, true, 1};
+    biased.alibi = true;
+    out.push_back(biased);
     for (KvType kv : kReduced) {
       add("decode", 4, 2, 1, 512, 64, true, kv);
       add("prefill", 4, 2, 128, 128, 64, true, kv);
@@ -196,6 +218,13 @@ std::vector<Shape> shapes(Size size, int cores) {
     Shape capped{"prefill", 1, 32, 8, 2048, 2048, 128, true, threads};
     capped.softcap = kSoftcap;
     out.push_back(capped);
+  }
+  // ALiBi (BLOOM, MPT) on the main causal prefill shape, beside the same without.
+  for (int threads : {1, cores}) {
+    if (threads > 1 && cores == 1) break;
+    Shape biased{"prefill", 1, 32, 8, 2048, 2048, 128, true, threads};
+    biased.alibi = true;
+    out.push_back(biased);
   }
   // Sliding windows (Mistral, Gemma's local layers, gpt-oss): a long causal prefill with a
   // window of 1024 and a decode step over a 32768-key cache with a window of 4096, each beside
@@ -482,6 +511,7 @@ Problem workspace_problem(const Shape& s) {
   if (s.family == "ragged") p.kv_lens = ragged_lengths(s.batch, s.kv_len).data();
   p.window = s.window;
   p.softcap = s.softcap;
+  if (s.alibi) p.alibi = alibi_slopes(s.heads).data();
   if (s.sinks) {
     Shape key = s;
     key.caches.clear();
@@ -1331,8 +1361,8 @@ void register_shapes(const std::vector<Shape>& all_shapes, const std::vector<Imp
         // (The untiled kernels' prefill is the same loop over every type: fp32 shows it.)
         if (!impl.tiled && s.kv != KvType::f32 && !s.decode()) continue;
         if (impl.portable && options.size == Size::default_size && !headline(s)) continue;
-        const bool variant =
-            s.family == "ragged" || s.sinks || s.window > 0 || s.softcap > 0.0f || s.kernels_only;
+        const bool variant = s.family == "ragged" || s.sinks || s.window > 0 || s.softcap > 0.0f ||
+                             s.alibi || s.kernels_only;
         if (variant && !impl.variants) continue;
         benchmark::RegisterBenchmark(
             s.name(impl.name).c_str(),

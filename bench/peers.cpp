@@ -53,7 +53,12 @@ std::string problem_fields(const Problem& p) {
   }
   if (p.window > 0) os << " window=" << p.window;      // a sliding window of that many keys
   if (soft_capped(p)) os << " softcap=" << p.softcap;  // logits capped at c tanh(s / c)
-  if (p.kv_lens != nullptr) {                          // a ragged batch: each sequence's keys
+  if (p.alibi != nullptr) {                            // ALiBi: one slope per query head
+    os << " alibi=";
+    for (std::int64_t h = 0; h < p.q_heads; ++h) os << (h > 0 ? "," : "") << p.alibi[h];
+    if (p.alibi_offset != 0) os << " alibi_offset=" << p.alibi_offset;
+  }
+  if (p.kv_lens != nullptr) {  // a ragged batch: each sequence's keys
     os << " kv_lens=";
     for (std::int64_t b = 0; b < p.batch; ++b) os << (b > 0 ? "," : "") << p.kv_lens[b];
   }

@@ -31,7 +31,11 @@
 //   joins its softmax's denominator only. A sliding window (Problem::window) adds window=<w>:
 //   a row sees the w most recent of the keys it sees without it. Logit soft-capping
 //   (Problem::softcap) adds softcap=<c>: every logit s (scale q.k) becomes c tanh(s / c) before
-//   the softmax; sinks are not capped.
+//   the softmax; sinks are not capped. ALiBi (Problem::alibi) adds alibi=<m0>,<m1>,...: one
+//   slope per query head (17 significant digits, as the sinks), and alibi_offset=<n> when
+//   Problem::alibi_offset is not 0: head h adds -m_h |i + kv_len - q_len + n - j| to the logit
+//   of row i and key j (kv_len: the sequence's own length in a ragged batch), after the
+//   soft-cap; sinks are not biased.
 //   <paths>: comma-separated files, one per copy of the tensor (decode rotates over copies).
 //   <gemm>: m= n= k=, for C[m][n] = A[m][k] B[k][n]; <path>: one file, one copy.
 //   <layer>: batch= d= heads= kv_heads= head_dim= n= past= causal=0|1 bias=0|1, the whole

@@ -72,10 +72,10 @@ def _legend(fig: plt.Figure, ax: Axes) -> None:
 
 
 def _plain(s: Shape) -> bool:
-    """Without an attention variant (sinks, a sliding window, a soft-cap): the variants have a
-    section of their own, and a variant's point beside its plain twin would fold a sweep back
-    on itself."""
-    return not s.sinks and not s.window and not s.softcap
+    """Without an attention variant (sinks, a sliding window, a soft-cap, ALiBi): the variants
+    have a section of their own, and a variant's point beside its plain twin would fold a sweep
+    back on itself."""
+    return not s.sinks and not s.window and not s.softcap and not s.alibi
 
 
 def _sweep(results: Results, keep: Callable[[Shape], bool], fixed: Callable[[Shape], tuple],

@@ -306,7 +306,7 @@ def variant_table(rows: list[VariantRow]) -> Table:
               "best peer", "speedup over peer"]
     out = []
     for r in rows:
-        plain = replace(r.shape, sinks=False, window=0, softcap=0.0)
+        plain = replace(r.shape, sinks=False, window=0, softcap=0.0, alibi=False)
         out.append([f"{r.shape.family} {plain.label()}", r.variant, _name(r.kernel),
                     _fmt(r.kernel.ms, 3), _fmt(r.plain.ms, 3), _fmt(r.vs_plain, 3),
                     _name(r.peer), _speedup(r.vs_peer)])
@@ -366,12 +366,14 @@ def build(results: Results, out: Path, baseline: Results | None = None) -> Repor
         report.para(
             "Shapes with an attention variant: a ragged batch (sequences of their own "
             "lengths), attention sinks, a sliding window, soft-capped logits (a cap c turns "
-            "each logit s into c tanh(s / c)). \"time over without\" is the fastest kernel's "
-            "time over its own time on the same shape without the variant, round by round (a "
-            "window's floor is its share of the query-key pairs: at L = 8192, causal, a window "
-            "of 1024 keeps 0.234 of them; for sinks and soft-capping the bar is 1.15x at most, "
-            "the goal 1.05x). The peer is the fastest of those that can express the variant; "
-            "the others are absent from these rows.")
+            "each logit s into c tanh(s / c)), ALiBi (head h adds -m_h |p - j| to the logit "
+            "of key j in the row at position p among the keys, with the paper's slopes m_h = "
+            "2^(-8 (h + 1) / H)). \"time over without\" is the fastest kernel's time over its "
+            "own time on the same shape without the variant, round by round (a window's floor "
+            "is its share of the query-key pairs: at L = 8192, causal, a window of 1024 keeps "
+            "0.234 of them; for sinks, soft-capping and ALiBi the bar is 1.15x at most, the "
+            "goal 1.05x). The peer is the fastest of those that can express the variant; the "
+            "others are absent from these rows.")
         report.table(variant_table(variants))
     if any(s.kv != "f32" for s in results.shapes()):
         _kv_section(report, results)
@@ -442,7 +444,8 @@ def _has_attention(results: Results) -> bool:
 
 
 KV_TITLE = "Reduced-precision KV caches: K and V in f16, bf16 and i8"
-VARIANTS_TITLE = "Attention variants: ragged batches, sinks, sliding windows, soft-capping"
+VARIANTS_TITLE = ("Attention variants: ragged batches, sinks, sliding windows, soft-capping, "
+                  "ALiBi")
 
 
 def _kv_section(report: Report, results: Results) -> None:

@@ -1,13 +1,13 @@
 """Benchmark results as mha_bench writes them (Google Benchmark JSON), parsed into runs.
 
 A run's name is ``<family>/<impl>/B:<b>/H:<h>/Hkv:<hkv>/Lq:<lq>/Lk:<lk>/D:<d>/causal:<c>
-[/kv:<type>][/sinks:1][/window:<w>][/softcap:<cap>]/threads:<n>`` (``/sinks:1``: with attention
-sinks; ``/window:<w>``: a sliding window of w keys; ``/softcap:<cap>``: logits soft-capped at
-cap, a float as C++ streams it: ``20``, ``0.5``, ``1e-05``) with Google Benchmark's
-``/real_time`` (kernels, baselines) or ``/manual_time`` (peers, timed in their own process)
-after it. With ``--rounds=N`` the same name appears N times, in the order the rounds ran: the
-k-th occurrence of every name of a shape belongs to round k, so implementations of one shape
-pair up round by round.
+[/kv:<type>][/sinks:1][/window:<w>][/softcap:<cap>][/alibi:1]/threads:<n>`` (``/sinks:1``: with
+attention sinks; ``/window:<w>``: a sliding window of w keys; ``/softcap:<cap>``: logits
+soft-capped at cap, a float as C++ streams it: ``20``, ``0.5``, ``1e-05``; ``/alibi:1``: ALiBi's
+biases, the paper's slopes) with Google Benchmark's ``/real_time`` (kernels, baselines) or
+``/manual_time`` (peers, timed in their own process) after it. With ``--rounds=N`` the same
+name appears N times, in the order the rounds ran: the k-th occurrence of every name of a shape
+belongs to round k, so implementations of one shape pair up round by round.
 
 Two more families measure what surrounds attention (bench/layer_bench.h):
 
@@ -43,8 +43,8 @@ NAME = re.compile(
     r"^(?P<family>[a-z]+)/(?P<impl>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)/Hkv:(?P<kv_heads>\d+)"
     r"/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)/causal:(?P<causal>[01])"
     r"(?:/kv:(?P<kv>f16|bf16|i8))?(?P<sinks>/sinks:1)?(?:/window:(?P<window>\d+))?"
-    r"(?:/softcap:(?P<softcap>\d+(?:\.\d*)?(?:e[+-]\d+)?))?/threads:(?P<threads>\d+)"
-    r"(?:/(?:real|manual)_time)?$")
+    r"(?:/softcap:(?P<softcap>\d+(?:\.\d*)?(?:e[+-]\d+)?))?(?P<alibi>/alibi:1)?"
+    r"/threads:(?P<threads>\d+)(?:/(?:real|manual)_time)?$")
 CLIFF_NAME = re.compile(
     r"^cliffs/(?P<impl>[^/]+)/caches:(?P<caches>[^/]+)/B:(?P<batch>\d+)/H:(?P<heads>\d+)"
     r"/Hkv:(?P<kv_heads>\d+)/Lq:(?P<q_len>\d+)/Lk:(?P<kv_len>\d+)/D:(?P<dim>\d+)"
@@ -96,6 +96,7 @@ class Shape:
     sinks: bool = False  # attention sinks ("/sinks:1")
     window: int = 0  # a sliding window of that many keys ("/window:<w>" unless 0)
     softcap: float = 0.0  # logits soft-capped at this ("/softcap:<c>" unless 0: none)
+    alibi: bool = False  # ALiBi's biases ("/alibi:1")
 
     def name(self, impl: str = "*") -> str:
         kv = "" if self.kv == "f32" else f"/kv:{self.kv}"
@@ -103,7 +104,8 @@ class Shape:
                 f"/Lq:{self.q_len}/Lk:{self.kv_len}/D:{self.dim}/causal:{int(self.causal)}"
                 f"{kv}{'/sinks:1' if self.sinks else ''}"
                 f"{f'/window:{self.window}' if self.window else ''}"
-                f"{f'/softcap:{self.softcap:g}' if self.softcap else ''}/threads:{self.threads}")
+                f"{f'/softcap:{self.softcap:g}' if self.softcap else ''}"
+                f"{'/alibi:1' if self.alibi else ''}/threads:{self.threads}")
 
     @property
     def decode(self) -> bool:
@@ -124,7 +126,8 @@ class Shape:
         batch = f"B={self.batch} " if self.batch != 1 else ""
         kv = (("" if self.kv == "f32" else f" KV {self.kv}") + (" sinks" if self.sinks else "")
               + (f" window {self.window}" if self.window else "")
-              + (f" softcap {self.softcap:g}" if self.softcap else ""))
+              + (f" softcap {self.softcap:g}" if self.softcap else "")
+              + (" ALiBi" if self.alibi else ""))
         return (f"{batch}H={self.heads} Hkv={self.kv_heads} {length} D={self.dim}"
                 f"{' causal' if self.causal and not self.decode else ''}{kv}, "
                 f"{self.threads} thread{'s' if self.threads > 1 else ''}")
@@ -381,7 +384,8 @@ def parse_name(name: str) -> tuple[AnyShape, str] | None:
         return Shape(g["family"], int(g["batch"]), int(g["heads"]), int(g["kv_heads"]),
                      int(g["q_len"]), int(g["kv_len"]), int(g["dim"]), g["causal"] == "1",
                      int(g["threads"]), g["kv"] or "f32", g["sinks"] is not None,
-                     int(g["window"] or 0), float(g["softcap"] or 0.0)), g["impl"]
+                     int(g["window"] or 0), float(g["softcap"] or 0.0),
+                     g["alibi"] is not None), g["impl"]
     return None
 
 

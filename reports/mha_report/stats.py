@@ -283,8 +283,8 @@ def kv_rows(results: Results) -> list[KvRow]:
 @dataclass
 class VariantRow:
     """One shape with an attention variant (a ragged batch, sinks, a sliding window, soft-capped
-    logits): its fastest kernel, that kernel's time on the same shape without the variant when
-    the run has it, and the fastest peer that can express the variant (the others are
+    logits, ALiBi): its fastest kernel, that kernel's time on the same shape without the variant
+    when the run has it, and the fastest peer that can express the variant (the others are
     absent)."""
     shape: Shape
     variant: str
@@ -302,12 +302,13 @@ def variant_rows(results: Results) -> list[VariantRow]:
         names = ((["ragged batch"] if shape.family == "ragged" else [])
                  + (["sinks"] if shape.sinks else [])
                  + ([f"window {shape.window}"] if shape.window else [])
-                 + ([f"softcap {shape.softcap:g}"] if shape.softcap else []))
+                 + ([f"softcap {shape.softcap:g}"] if shape.softcap else [])
+                 + (["ALiBi"] if shape.alibi else []))
         if not names:
             continue
         impls = results.impls_of(shape)
         kernel = best_of(results, shape, [i for i in impls if is_kernel(i)])
-        plain_shape = replace(shape, sinks=False, window=0, softcap=0.0)
+        plain_shape = replace(shape, sinks=False, window=0, softcap=0.0, alibi=False)
         plain, vs_plain = Best(None), None
         if (shape.family != "ragged" and kernel.impl is not None
                 and kernel.impl in results.impls_of(plain_shape)):

@@ -14,6 +14,7 @@ from typing import Callable
 
 import pytest
 
+from mha_report import plots
 from mha_report import results as res
 from mha_report import stats
 from mha_report.__main__ import main
@@ -71,6 +72,19 @@ def test_the_name_grammar() -> None:
     assert shape.window == 64 and shape.softcap == 20.0 and shape.threads == 2
     assert res.parse_name(f"{prefill}/softcap:/threads:1") is None
     assert res.parse_name(f"{prefill}/softcap:20/window:64/threads:1") is None  # out of order
+    # ALiBi: "/alibi:1" after every other variant, before the threads.
+    name = f"{prefill}/alibi:1/threads:1"
+    shape, impl = res.parse_name(name + "/real_time")
+    assert impl == "avx2" and shape.alibi and shape.name(impl) == name
+    assert " ALiBi," in shape.label()
+    assert not res.parse_name(f"{prefill}/threads:1")[0].alibi
+    name = f"{prefill}/sinks:1/window:64/softcap:20/alibi:1/threads:2"
+    shape, _ = res.parse_name(name + "/manual_time")
+    assert shape.sinks and shape.window == 64 and shape.softcap == 20.0 and shape.alibi
+    assert shape.name("avx2") == name and shape.threads == 2
+    assert res.parse_name(f"{prefill}/alibi:1/softcap:20/threads:1") is None  # out of order
+    assert res.parse_name(f"{prefill}/alibi:1/window:64/threads:1") is None
+    assert res.parse_name(f"{prefill}/alibi:0/threads:1") is None
 
 
 def test_aggregates_are_skipped_and_errors_kept(raw: dict) -> None:
@@ -203,8 +217,8 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def with_variant(raw: dict, keep: Callable[[res.Shape, str], bool], tag: str, factor: float,
                  **counters: float) -> dict:
     """The fixture plus, for every run that `keep` picks (by shape and implementation), the
-    same run with `tag` ("/kv:f16", "/window:64", "/softcap:20") before "/threads:" in its
-    name, taking `factor` of its time, with `counters` added."""
+    same run with `tag` ("/kv:f16", "/window:64", "/softcap:20", "/alibi:1") before
+    "/threads:" in its name, taking `factor` of its time, with `counters` added."""
     data = copy.deepcopy(raw)
     extra = []
     for b in iterations(data):
@@ -313,3 +327,45 @@ def test_softcap_rows_pair_with_their_plain_twin(raw: dict, tmp_path: Path) -> N
         plain = replace(r.shape, softcap=0.0)
         assert (f"| {r.shape.family} {plain.label()} | softcap 20 | `{r.kernel.impl}` | "
                 f"{r.kernel.ms.text(3)} | {r.plain.ms.text(3)} | {r.vs_plain.text(3)} |") in text
+
+
+def with_alibi(raw: dict, factor: float) -> dict:
+    """Every run of a plain causal prefill shape again with ALiBi; the peers too (each can
+    express it in prefill)."""
+    def keep(shape: res.Shape, impl: str) -> bool:
+        return (shape.family == "prefill" and shape.causal and shape.kv == "f32"
+                and not shape.sinks and not shape.window and not shape.softcap)
+    return with_variant(raw, keep, "/alibi:1", factor)
+
+
+def test_alibi_rows_pair_with_their_plain_twin(raw: dict, tmp_path: Path) -> None:
+    data = with_alibi(raw, 1.2)
+    biased = [b["name"] for b in iterations(data) if "/alibi:1" in b["name"]]
+    assert biased
+    for name in biased:
+        shape, impl = res.parse_name(name)
+        assert shape.alibi
+        assert shape.name(impl) == name.replace("/real_time", "").replace("/manual_time", "")
+    run = res.parse(data)
+    rows = [r for r in stats.variant_rows(run) if r.shape.alibi]
+    assert rows and all(r.variant == "ALiBi" for r in rows)
+    for r in rows:
+        plain = replace(r.shape, alibi=False)
+        assert r.plain.impl == r.kernel.impl and r.vs_plain is not None
+        assert r.vs_plain.median == pytest.approx(1.2)
+        assert r.plain.ms.median == pytest.approx(
+            statistics.median(run.times(plain, r.kernel.impl)) * 1e3)
+        assert r.peer.impl == stats.fastest(run, r.shape, [i for i in run.impls_of(r.shape)
+                                                            if res.is_peer(i)])
+    text = build(run, tmp_path).markdown()
+    assert "Attention variants" in text and "ALiBi" in text
+    for r in rows:
+        plain = replace(r.shape, alibi=False)
+        assert (f"| {r.shape.family} {plain.label()} | ALiBi | `{r.kernel.impl}` | "
+                f"{r.kernel.ms.text(3)} | {r.plain.ms.text(3)} | {r.vs_plain.text(3)} |") in text
+    # The sweeps leave the ALiBi shapes out: a sweep over the prefill shapes themselves finds
+    # the same shapes as without them.
+    def sweep(results: res.Results) -> object:
+        return plots._sweep(results, lambda s: s.family == "prefill", lambda s: (s.family,),
+                            lambda s: s)
+    assert sweep(run) is not None and sweep(run) == sweep(res.parse(raw))

@@ -56,12 +56,14 @@ class Peer(Framework):
     # Whether its form takes a ragged batch (Problem.kv_lens: each sequence its own keys),
     # attention sinks (Problem.sinks) and a sliding window that cuts some row's keys
     # (Problem.window; one every row shares comes sliced off by the server: Problem.sliced),
-    # and logit soft-capping (Problem.softcap: c tanh(s / c) of each scaled logit, the sinks
-    # not capped).
+    # logit soft-capping (Problem.softcap: c tanh(s / c) of each scaled logit, the sinks
+    # not capped) and ALiBi (Problem.alibi: -m_h |i + kv_len - q_len + offset - j| added to
+    # each logit after the cap, the sinks not biased).
     ragged = False
     sinks = False
     window = False
     softcap = False
+    alibi = False
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.kv_type not in self.kv_types:
@@ -74,6 +76,8 @@ class Peer(Framework):
             return f"a sliding window: {self.name} takes none"
         if p.soft_capped and not self.softcap:
             return f"logit soft-capping: {self.name} takes none"
+        if p.has_alibi and not self.alibi:
+            return f"ALiBi: {self.name} takes no bias"
         return p.why_unsupported()
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
@@ -132,12 +136,17 @@ class TorchSdpa(Peer):
     in place as torch.float16 or torch.bfloat16; SDPA takes q in the same type (converted
     once, at prepare: mha_bench gives q rounded to it, so exactly) and returns its output in
     it. SDPA has no soft-cap: a capped problem is not this peer's (flex_attention's score_mod
-    could express it, through torch.compile only)."""
+    could express it, through torch.compile only). ALiBi through a float attn_mask (Mask.BIAS,
+    [1, H, Lq, Lk], a ragged batch's [B, H, Lq, Lk]): the bias where a row sees a key, -inf
+    where the causal rule, the window or a sequence's length hides it; in fp32 for every KV
+    type (the CPU flash kernel, which PyTorch 2.x picks for a float mask as for none, takes an
+    fp32 mask beside f16 or bf16 q, so the biases are not rounded to the type)."""
 
     how = (
         "layout: [B, H, L, D] views, no copy; GQA: enable_gqa; mask: is_causal (Lq = Lk), "
         "else boolean (ragged batches: [B, 1, Lq, Lk], padding masked; sliding windows: "
-        "[Lq, Lk]); f16/bf16 K, V in place, q in their type, output in it; fused path: "
+        "[Lq, Lk]); ALiBi: an fp32 additive mask [1 or B, H, Lq, Lk], the bias and -inf where "
+        "masked; f16/bf16 K, V in place, q in their type, output in it; fused path: "
         "PyTorch picks (not checked)")
 
     name = "peer-torch-sdpa"
@@ -145,6 +154,7 @@ class TorchSdpa(Peer):
     kv_types = ("f32", "f16", "bf16")
     ragged = True
     window = True
+    alibi = True
 
     def load(self) -> None:
         self.torch = load_torch()
@@ -169,6 +179,8 @@ class TorchSdpa(Peer):
             mask = torch.from_numpy(p.visible())
         elif p.mask is Mask.RAGGED:
             mask = torch.from_numpy(p.sequences_visible())
+        elif p.mask is Mask.BIAS:
+            mask = torch.from_numpy(p.additive_mask())
         self.out = None
 
         def call(c: int) -> None:
@@ -202,11 +214,13 @@ class TorchSdpaGrouped(_Grouped, TorchSdpa):
     [B, Hkv, g, D] is g query rows against that KV head's K and V ([B, Hkv, L, D] views, no
     mask, no enable_gqa), and every K and V row is read once per group rather than once per
     query head. Only for one query row per head (q_len = 1, which sees every key) with g > 1:
-    other problems are peer-torch-sdpa's."""
+    other problems are peer-torch-sdpa's. ALiBi: the additive mask of peer-torch-sdpa, its
+    query heads folded alike, [1 or B, Hkv, g, Lk] (row r of group k is head k g + r)."""
 
     how = (
         "folded: q [B, Hkv, g, D] against K, V [B, Hkv, L, D], no mask (ragged batches: "
-        "[B, 1, 1, Lk]); grouped-query decode only; fused path: PyTorch picks (not checked)")
+        "[B, 1, 1, Lk]; ALiBi: fp32 additive [1 or B, Hkv, g, Lk]); grouped-query decode only;"
+        " fused path: PyTorch picks (not checked)")
 
     name = "peer-torch-sdpa-grouped"
     plain = TorchSdpa.name
@@ -219,8 +233,14 @@ class TorchSdpaGrouped(_Grouped, TorchSdpa):
         q = self.tensors(p, t.q[:1], kv=False)[0].view(b, hkv, g, d)
         kv = [[x.permute(0, 2, 1, 3) for x in self.tensors(p, xs, kv=True)]
               for xs in (t.k, t.v)]
-        # A ragged batch: each sequence's padding masked, [B, 1, 1, Lk] over its g rows.
-        mask = torch.from_numpy(p.sequences_visible()) if p.mask is Mask.RAGGED else None
+        # A ragged batch: each sequence's padding masked, [B, 1, 1, Lk] over its g rows. ALiBi:
+        # [1 or B, H, 1, Lk] -> [1 or B, Hkv, g, Lk], each query head's bias on its own row.
+        mask = None
+        if p.mask is Mask.RAGGED:
+            mask = torch.from_numpy(p.sequences_visible())
+        elif p.mask is Mask.BIAS:
+            bias = p.additive_mask()
+            mask = torch.from_numpy(bias.reshape(bias.shape[0], hkv, g, p.kv_len))
         self.out = None
 
         def call(c: int) -> None:
@@ -274,16 +294,20 @@ class OrtAttention(_Ort):
     head-major (decode); q_num_heads/kv_num_heads for GQA; is_causal (top-left) when
     q_len == kv_len, a boolean mask for bottom-right causal or a sliding window otherwise;
     soft-capping through its softcap attribute, which caps the scaled logits before the mask
-    (the peer test checks it against the formula)."""
+    (the peer test checks it against the formula). ALiBi through a float attn_mask, which the
+    operator adds to the capped logits (Mask.BIAS, [1, H, Lq, Lk]: the bias, -inf where the
+    causal rule or the window hides a key; is_causal off)."""
 
     how = (
         "ONNX Attention (opset 23): 3D token-major (prefill) or 4D head-major (decode); mask:"
         " is_causal (Lq = Lk), else boolean (bottom-right causal, sliding windows); soft-cap:"
-        " its softcap attribute; fused path: none in the CPU provider (GEMM, softmax, GEMM)")
+        " its softcap attribute; ALiBi: a float attn_mask [1, H, Lq, Lk], the bias and -inf "
+        "where masked; fused path: none in the CPU provider (GEMM, softmax, GEMM)")
 
     name = "peer-ort-attention"
     window = True
     softcap = True
+    alibi = True
 
     def prepare(self, p: Problem, t: Tensors, threads: int) -> Call:
         four_d = is_head_major(t.k[0]) or is_head_major(t.v[0])
@@ -294,9 +318,10 @@ class OrtAttention(_Ort):
                       for xs in (t.q, t.k, t.v)]
         names = ["Q", "K", "V"]
         feeds = [[self.value(x) for x in xs] for xs in inputs]
-        if p.mask is Mask.EXPLICIT:
+        if p.mask in (Mask.EXPLICIT, Mask.BIAS):
             names.append("attn_mask")
-            feeds.append([self.value(p.visible())])
+            feeds.append([self.value(p.visible() if p.mask is Mask.EXPLICIT
+                                     else p.additive_mask())])
         attrs = dict(q_num_heads=p.q_heads, kv_num_heads=p.kv_heads, scale=p.scale,
                      is_causal=int(p.mask is Mask.CAUSAL), **softcap_attribute(p))
         shape = ((p.batch, p.q_heads, p.q_len, p.head_dim) if four_d
@@ -307,13 +332,14 @@ class OrtAttention(_Ort):
     def attention_call(self, names: list[str], feeds: list[list[object]], attrs: dict,
                        out_shape: tuple[int, ...], threads: int, copies: int) -> Call:
         """A session of one Attention node (attributes attrs) on the named inputs, feeds
-        holding each input's OrtValues (one per copy, or one for all), its output bound to
-        self.out (out_shape): the call on copy c."""
+        holding each input's OrtValues (one per copy, or one for all; a boolean or float
+        attn_mask), its output bound to self.out (out_shape): the call on copy c."""
         from onnx import TensorProto, helper
 
         graph_inputs = [
-            helper.make_tensor_value_info(n, TensorProto.BOOL if n == "attn_mask"
-                                          else TensorProto.FLOAT, list(f[0].shape()))
+            helper.make_tensor_value_info(
+                n, TensorProto.BOOL if f[0].data_type() == "tensor(bool)" else TensorProto.FLOAT,
+                list(f[0].shape()))
             for n, f in zip(names, feeds)
         ]
         graph = helper.make_graph(
@@ -342,11 +368,12 @@ class OrtAttentionGrouped(_Grouped, OrtAttention):
     """The same operator on a grouped-query decode step in the folded form (as
     peer-torch-sdpa-grouped): Q [B, Hkv, g, D], the g query heads of a KV head as g query
     rows, against K and V [B, Hkv, L, D] with q_num_heads = kv_num_heads = Hkv and no mask,
-    so every K and V row is read once per group. Only for q_len = 1 with g > 1."""
+    so every K and V row is read once per group. Only for q_len = 1 with g > 1. ALiBi: a
+    float attn_mask [1, Hkv, g, Lk], each query head's bias on its own row."""
 
     how = (
         "folded form of peer-ort-attention: Q [B, Hkv, g, D], q_num_heads = kv_num_heads = "
-        "Hkv, no mask; grouped-query decode only")
+        "Hkv, no mask (ALiBi: float [1, Hkv, g, Lk]); grouped-query decode only")
 
     name = "peer-ort-attention-grouped"
     plain = OrtAttention.name
@@ -357,10 +384,13 @@ class OrtAttentionGrouped(_Grouped, OrtAttention):
         q = [as_token_major(x).reshape(b, hkv, g, d) for x in t.q]
         inputs = [q] + [[as_head_major(x) for x in xs] for xs in (t.k, t.v)]
         feeds = [[self.value(x) for x in xs] for xs in inputs]
+        names = ["Q", "K", "V"]
+        if p.mask is Mask.BIAS:  # [1, H, 1, Lk] -> [1, Hkv, g, Lk]: head k g + r on row r
+            names.append("attn_mask")
+            feeds.append([self.value(p.additive_mask().reshape(1, hkv, g, p.kv_len))])
         attrs = dict(q_num_heads=hkv, kv_num_heads=hkv, scale=p.scale, is_causal=0,
                      **softcap_attribute(p))
-        return self.attention_call(["Q", "K", "V"], feeds, attrs, (b, hkv, g, d), threads,
-                                   t.copies)
+        return self.attention_call(names, feeds, attrs, (b, hkv, g, d), threads, t.copies)
 
     def write_output(self, p: Problem, t: Tensors) -> None:
         t.o[...] = self.out.reshape(p.batch, 1, p.q_heads, p.head_dim)
@@ -379,18 +409,23 @@ class OrtGqa(_Ort):
     head_sink input (ONNX Runtime 1.22 and later); a sliding window of w keys through
     local_window_size = w (so in 1.32: w - 1 and w + 1 fail the peer test). Soft-capping
     through its softcap attribute: c tanh(s / c) of the scaled logit, the sinks uncapped (as
-    the project's contract; the peer test tells both apart)."""
+    the project's contract; the peer test tells both apart). ALiBi through its attention_bias
+    input, [1, H, Lq, Lk] (a ragged batch's [B, H, 1, Lk]: each sequence's own positions),
+    indexed by absolute key position and added to the capped logits; the bias alone, since
+    the operator masks by itself (the peer test tells the bias before the cap apart)."""
 
     how = (
         "com.microsoft GroupQueryAttention, fused, always causal; decode through its shared "
         "past/present KV buffer; ragged decode batches through seqlens_k; sinks through "
-        "head_sink; sliding windows through local_window_size; soft-cap through softcap")
+        "head_sink; sliding windows through local_window_size; soft-cap through softcap; "
+        "ALiBi through attention_bias [1 or B, H, Lq, Lk]")
 
     name = "peer-ort-gqa"
     ragged = True
     sinks = True
     window = True
     softcap = True
+    alibi = True
 
     def why_unsupported(self, p: Problem) -> str | None:
         if not p.causal:
@@ -439,12 +474,22 @@ class OrtGqa(_Ort):
                   [b, hkv, None, d], [b, hkv, None, d], [b], []]
         feeds = [q, new_k, new_v, past_k, past_v, [seqlens], [total]]
         inputs = list(names)
-        if p.sinks is not None:  # optional inputs 7-10 (rotary, position ids, bias) absent
-            inputs += ["", "", "", "", "head_sink"]
-            names.append("head_sink")
+        # Optional inputs 10 and 11 (7-9, rotary and position ids, absent): ALiBi's bias
+        # alone, its columns the keys' positions, and the sinks.
+        order = ("attention_bias", "head_sink")
+        optional = {}
+        if p.has_alibi:
+            optional["attention_bias"] = p.alibi_bias(np.float32)
+        if p.sinks is not None:
+            optional["head_sink"] = np.array(p.sinks, dtype=np.float32)
+        if optional:
+            last = max(order.index(n) for n in optional)
+            inputs += ["", "", ""] + [n if n in optional else "" for n in order[:last + 1]]
+        for n, x in optional.items():
+            names.append(n)
             types.append(TensorProto.FLOAT)
-            shapes.append([p.q_heads])
-            feeds.append([self.value(np.array(p.sinks, dtype=np.float32))])
+            shapes.append(list(x.shape))
+            feeds.append([self.value(x)])
         window = dict(local_window_size=p.window) if 0 < p.window < p.kv_len else {}
         node = helper.make_node(
             "GroupQueryAttention", inputs, ["O", "present_key", "present_value"],
@@ -485,17 +530,21 @@ class OpenVinoSdpa(Peer):
     causal (top-left) when q_len == kv_len, a boolean mask otherwise (bottom-right causal, a
     sliding window; a ragged batch's: [B, 1, 1, Lq, Lk]). The operator has no soft-cap, nor
     has any fused node of the 2026.4 CPU plugin: a capped problem is not an OpenVINO peer's
-    (its ONNX frontend decomposes Attention's softcap into Div, Tanh, Mul)."""
+    (its ONNX frontend decomposes Attention's softcap into Div, Tanh, Mul). ALiBi through its
+    float mask input, which it adds to the scaled logits (Mask.BIAS, [1 or B, Hkv, g, Lq,
+    Lk]: the bias, -inf where masked; causal off)."""
 
     how = (
         "opset13 SDPA, plain model: Q [B, Hkv, g, Lq, D] against K, V [B, Hkv, 1, Lk, D]; "
         "mask: causal (Lq = Lk), else boolean (sliding windows; ragged batches: per "
-        "sequence); fused path: no (decomposed or a Snippets subgraph)")
+        "sequence); ALiBi: a float mask [1 or B, Hkv, g, Lq, Lk], the bias and -inf where "
+        "masked; fused path: no (decomposed or a Snippets subgraph)")
 
     name = "peer-openvino-sdpa"
     package = "openvino"
     ragged = True
     window = True
+    alibi = True
 
     def load(self) -> None:
         import openvino
@@ -526,11 +575,15 @@ class OpenVinoSdpa(Peer):
         params = [q_param, k_param, v_param]
         arrays = [q_in, k_in, v_in]
         scale = ops.constant(np.float32(p.scale))
-        if p.mask in (Mask.EXPLICIT, Mask.RAGGED):
-            visible = p.visible() if p.mask is Mask.EXPLICIT else p.sequences_visible()[:, None]
-            mask_param = ops.parameter(list(visible.shape), bool)
+        if p.mask in (Mask.EXPLICIT, Mask.RAGGED, Mask.BIAS):
+            if p.mask is Mask.BIAS:  # [1 or B, H, Lq, Lk] -> [1 or B, Hkv, g, Lq, Lk]
+                bias = p.additive_mask()
+                mask = bias.reshape(bias.shape[0], hkv, g, p.q_len, p.kv_len)
+            else:
+                mask = p.visible() if p.mask is Mask.EXPLICIT else p.sequences_visible()[:, None]
+            mask_param = ops.parameter(list(mask.shape), mask.dtype.type)
             params.append(mask_param)
-            arrays.append([np.ascontiguousarray(visible)])
+            arrays.append([np.ascontiguousarray(mask)])
             out = ops.scaled_dot_product_attention(q5, k5, v5, mask_param, scale, causal=False)
         else:
             zero = ops.constant(np.zeros((1, 1), dtype=np.float32))
@@ -569,13 +622,17 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     Prefill (Lq = Lk): the state is reset before every call and K, V come in as new tokens.
     Decode (Lq = 1): the first Lk - 1 keys are set as the state, and each call appends the
     last key, as a generation step does; every 2 sqrt(Lk) calls the state is set back (see
-    prepare). The peer test asserts that the compiled model holds the
-    ScaledDotProductAttention node for every kind of problem."""
+    prepare). ALiBi in prefill through the node's float mask input, [1, H, Lq, Lk] (the bias,
+    -inf where masked; causal off), with the scale as its own input; not in decode,
+    where every call's mask would have to grow with the cache (peer-openvino-sdpa takes it).
+    The peer test asserts that the compiled model holds the ScaledDotProductAttention node
+    for every kind of problem."""
 
     how = (
         "opset13 SDPA in the stateful KV-cache form of an exported LLM, K, V broadcast over "
         "each group; prefill and decode only; f16/bf16 K, V: KV_CACHE_PRECISION of the type, "
         "i8 (decode): u8 (its own scales and zero points, quantized from the stored values); "
+        "ALiBi (prefill): a float mask [1, H, Lq, Lk], the bias and -inf where masked; "
         "fused path: yes, its ScaledDotProductAttention node (asserted by the peer tests)")
 
     name = "peer-openvino-sdpa-kvcache"
@@ -587,7 +644,7 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
     kv_types = ("f32", "f16", "bf16", "i8")
     CACHE_PRECISION = {"f32": "f32", "f16": "f16", "bf16": "bf16", "i8": "u8"}
     ragged = False  # one state shared by the batch: no per-sequence lengths
-    window = False  # its fused node takes no mask
+    window = False  # its fused node is given no boolean mask
 
     def why_unsupported(self, p: Problem) -> str | None:
         if p.q_len != 1 and p.q_len != p.kv_len:
@@ -595,11 +652,15 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
         if p.kv_type == "i8" and p.q_len != 1:
             return ("K and V in i8: its prefill attends over the new tokens in fp32 (the u8 "
                     "cache is what later steps read): decode only")
+        if p.has_alibi and p.q_len != p.kv_len:
+            return ("ALiBi in decode: each call's mask would grow with the cache; prefill "
+                    "only")
         return super().why_unsupported(p)
 
     def model(self, p: Problem, k_head_major: bool, v_head_major: bool) -> Any:
         """The stateful model: inputs q [B, Lq, H, D], the new K and V tokens in their
-        layouts, beam_idx [B]; output [B, H, Lq, D]."""
+        layouts, beam_idx [B], and with ALiBi (prefill) the mask [1, H, Lq, Lk]; output
+        [B, H, Lq, D]."""
         from openvino import opset6
         from openvino.op.util import Variable, VariableInfo
 
@@ -631,9 +692,16 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
                                     False)
             caches.append(cache)
         params.append(beam)
-        # No mask input: with a [1, 1] zero mask (needed to pass a scale) the fused node gave
-        # wrong and varying outputs in 2026.4. So the default scale 1 / sqrt(D), and any
-        # other folded into q (one more rounding).
+        if p.has_alibi:  # the additive mask (Mask.BIAS) and the scale as inputs of the node
+            mask = ops.parameter([1, h, -1, -1], np.float32, name="mask")
+            params.append(mask)
+            out = ops.scaled_dot_product_attention(q, caches[0], caches[1], mask,
+                                                   ops.constant(np.float32(p.scale)),
+                                                   causal=False)
+            return ov.Model([out.output(0)], sinks, params, "sdpa_kv_cache")
+        # No mask input otherwise: with a [1, 1] zero mask (needed to pass a scale) the fused
+        # node gave wrong and varying outputs in 2026.4. So the default scale 1 / sqrt(D), and
+        # any other folded into q (one more rounding).
         if np.float32(p.scale) != np.float32(1.0 / math.sqrt(d)):
             q = ops.multiply(q, ops.constant(np.float32(p.scale * math.sqrt(d))))
         out = ops.scaled_dot_product_attention(q, caches[0], caches[1],
@@ -671,10 +739,15 @@ class OpenVinoSdpaKvCache(OpenVinoSdpa):
             self.arrays += [[layout(x, k_hm) for x in t.k], [layout(x, v_hm) for x in t.v]]
             k = [ov.Tensor(x, shared_memory=True) for x in self.arrays[1]]
             v = [ov.Tensor(x, shared_memory=True) for x in self.arrays[2]]
+            if p.has_alibi:
+                self.arrays.append([p.additive_mask()])
+                mask = [ov.Tensor(self.arrays[3][0], shared_memory=True)]
+            else:
+                mask = []
 
             def prefill(c: int) -> None:
                 request.reset_state()
-                request.infer([q[c % len(q)], k[c % len(k)], v[c % len(v)], beam])
+                request.infer([q[c % len(q)], k[c % len(k)], v[c % len(v)], beam, *mask])
 
             return prefill
         # Decode: keys [0, Lk - 1) in the cache (copied into the plugin's state), key Lk - 1

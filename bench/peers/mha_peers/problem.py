@@ -8,7 +8,10 @@ causal rule bottom-right on that length; ``kv_len`` is the tensors' capacity. At
 (``sinks``, one logit per query head) join each head's softmax denominator only. A sliding
 window (``window``, 0 none) keeps the ``window`` most recent of the keys a row sees. Logit
 soft-capping (``softcap`` = c, 0 or +inf none) turns every logit s = scale q.k into
-c tanh(s / c) before the softmax; the sinks are not capped.
+c tanh(s / c) before the softmax; the sinks are not capped. ALiBi (``alibi``, one slope m_h per
+query head, and ``alibi_offset``) adds -m_h |i + kv_len - q_len + alibi_offset - j| to the logit
+of row i and key j after the cap (kv_len: each sequence's own in a ragged batch, so the row's
+position is bottom-right as the causal rule's); the sinks get no bias.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ KV_TYPES = ("f32", "f16", "bf16", "i8")
 
 
 class Mask(Enum):
-    """How a framework must be told which keys a query row sees."""
+    """How a framework must be told which keys a query row sees (and, with ALiBi, what their
+    logits get added)."""
 
     NONE = "none"  # every row sees every key: no mask at all
     CAUSAL = "causal"  # the usual lower triangle (q_len == kv_len): the framework's own flag
     EXPLICIT = "explicit"  # bottom-right causal with 1 < q_len != kv_len: a boolean mask
     RAGGED = "ragged"  # each sequence its own keys (kv_lens): a boolean mask per sequence
+    # ALiBi (alibi), with any of the above: an additive float mask, [B or 1, H, Lq, Lk], the
+    # bias where a row sees a key and -inf where it does not (Problem.additive_mask).
+    BIAS = "bias"
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,10 @@ class Problem:
     window: int = 0
     # Logit soft-capping (mha::Problem::softcap): the cap c, 0 (or +inf) for none.
     softcap: float = 0.0
+    # ALiBi (mha::Problem::alibi): one slope per query head, or None; the distances' offset
+    # (mha::Problem::alibi_offset).
+    alibi: tuple[float, ...] | None = None
+    alibi_offset: int = 0
 
     @property
     def soft_capped(self) -> bool:
@@ -78,12 +89,50 @@ class Problem:
         return self.softcap * np.tanh(s / self.softcap)
 
     @property
+    def has_alibi(self) -> bool:
+        """Whether the logits get ALiBi's biases (mha::has_alibi: slopes given)."""
+        return self.alibi is not None
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        """[B or 1, H, Lq, Lk], what ALiBi adds to the logit of row i and key j of head h:
+        -alibi[h] |i + n - q_len + alibi_offset - j|, n the sequence's keys (kv_lens[b] in a
+        ragged batch, whose sequences each have their own row; else kv_len, one for all), for
+        every key, seen or not; zeros without ALiBi. Computed in float64 (exact for an fp32
+        slope and a distance below 2^29) and rounded once to dtype."""
+        lens = self.kv_lens if self.kv_lens is not None else (self.kv_len,)
+        slopes = self.alibi if self.alibi is not None else (0.0,) * self.q_heads
+        rows = np.arange(self.q_len)[:, None]
+        cols = np.arange(self.kv_len)[None, :]
+        out = np.empty((len(lens), self.q_heads, self.q_len, self.kv_len), dtype=dtype)
+        for b, n in enumerate(lens):
+            distance = np.abs(rows + (n - self.q_len + self.alibi_offset) - cols)
+            for h, m in enumerate(slopes):  # a head at a time: float64 temporaries of [Lq, Lk]
+                out[b, h] = -m * distance
+        return out
+
+    def logits(self, s: np.ndarray) -> np.ndarray:
+        """The logits the softmax takes from the scaled products s = scale q.k ([B, H, Lq,
+        Lk]): capped, then ALiBi's bias added."""
+        s = self.capped(s)
+        return s + self.alibi_bias() if self.has_alibi else s
+
+    def additive_mask(self) -> np.ndarray:
+        """[B or 1, H, Lq, Lk] float32, the mask of Mask.BIAS: ALiBi's bias where a row sees the
+        key (its own sequence's keys, causal, the window), -inf where it does not."""
+        visible = self.sequences_visible() if self.kv_lens is not None else self.visible()
+        mask = self.alibi_bias(np.float32)
+        np.copyto(mask, -np.inf, where=~visible)
+        return mask
+
+    @property
     def group(self) -> int:
         """Query heads per KV head (g = H / Hkv)."""
         return self.q_heads // self.kv_heads
 
     @property
     def mask(self) -> Mask:
+        if self.has_alibi:
+            return Mask.BIAS
         if self.kv_lens is not None:
             return Mask.RAGGED
         if 0 < self.window < self.kv_len:
@@ -177,6 +226,9 @@ class Problem:
                    if "sinks" in fields else None),
             window=int(fields.get("window", "0")),
             softcap=float(fields.get("softcap", "0")),
+            alibi=(tuple(float(x) for x in fields["alibi"].split(","))
+                   if "alibi" in fields else None),
+            alibi_offset=int(fields.get("alibi_offset", "0")),
         )
 
     def sliced(self) -> "Problem":
@@ -320,7 +372,7 @@ def attention(p: Problem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
     qh = q.transpose(0, 2, 1, 3).astype(np.float64)
     kh = np.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
     vh = np.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(np.float64)
-    s = p.capped(p.scale * (qh @ kh.transpose(0, 1, 3, 2)))  # capped before masking
+    s = p.logits(p.scale * (qh @ kh.transpose(0, 1, 3, 2)))  # capped, biased, then masked
     s = np.where(p.sequences_visible(), s, -np.inf)
     sink = (np.array(p.sinks, dtype=np.float64)[None, :, None, None] if p.sinks is not None
             else np.full((1, p.q_heads, 1, 1), -np.inf))

@@ -12,8 +12,9 @@ import mmap
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -30,7 +31,8 @@ def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                  causal: bool, kv_head_major: bool = False, pad: int = 0,
                  kv_lens: tuple[int, ...] | None = None,
                  sinks: tuple[float, ...] | None = None, window: int = 0,
-                 softcap: float = 0.0, logits: float = 1.0) -> Problem:
+                 softcap: float = 0.0, logits: float = 1.0,
+                 alibi: tuple[float, ...] | None = None, alibi_offset: int = 0) -> Problem:
     """Token-major q and o; k and v token- or head-major; `pad` floats after every row; the
     scale `logits` / sqrt(dim), logits times the usual (inputs in [-1, 1] give logits of
     about 1/3 times `logits`)."""
@@ -43,7 +45,14 @@ def make_problem(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
     return Problem(batch, q_len, kv_len, heads, kv_heads, dim, causal, logits / math.sqrt(dim),
                    strides(q_len, heads, False), strides(kv_len, kv_heads, kv_head_major),
                    strides(kv_len, kv_heads, kv_head_major), strides(q_len, heads, False),
-                   kv_lens=kv_lens, sinks=sinks, window=window, softcap=softcap)
+                   kv_lens=kv_lens, sinks=sinks, window=window, softcap=softcap, alibi=alibi,
+                   alibi_offset=alibi_offset)
+
+
+def alibi_slopes(heads: int) -> tuple[float, ...]:
+    """ALiBi's slopes for `heads` query heads as the paper gives them (and the benchmark uses
+    them), 2^(-8 (h + 1) / heads), each rounded to fp32 as mha::Problem holds it."""
+    return tuple(float(np.float32(2.0 ** (-8 * (h + 1) / heads))) for h in range(heads))
 
 
 def extent(p: Problem, length: int, heads: int, strides: tuple[int, int, int]) -> int:
@@ -66,17 +75,23 @@ def error_bound(p: Problem) -> float:
     """|o - exact| for inputs in [-1, 1], u = 2^-24: logits err by e_s = (D + 1) D scale u
     (the fp32 dot product and the scaling; (D + 1) sqrt(D) u at the usual scale), a capped
     logit by no more (c tanh(s / c) has slope at most 1) plus 4 u c for its tanh
-    (reference/tolerance.h, kSoftcapError); each weight exp(s - max) relatively by 2 e_s,
-    u |s - max| for the subtraction (counted as u, or 2 u c when capped), 16 u for an exp
-    within 8 ulp (the peers' bound in bench/main.cpp) and 3 u per key for an online softmax
-    that rescales at every key (the worst blocking); the output by twice the weights' error
-    plus the two sums of n terms and the division."""
+    (reference/tolerance.h, kSoftcapError), a biased one (ALiBi) by 2 u A more for the bias
+    rounded to fp32 and the addition, A the largest |bias| of a key a row sees; each weight
+    exp(s - max) relatively by 2 e_s, u |s - max| for the subtraction (counted as u, or 2 u c
+    when capped, plus u A when biased), 16 u for an exp within 8 ulp (the peers' bound in
+    bench/main.cpp) and 3 u per key for an online softmax that rescales at every key (the
+    worst blocking); the output by twice the weights' error plus the two sums of n terms and
+    the division."""
     u = 2.0 ** -24
     e_s = (p.head_dim + 1) * p.head_dim * p.scale * u
     span = 1.0
     if p.soft_capped:
         e_s += 4 * u * p.softcap
         span = max(span, 2 * p.softcap)
+    if p.has_alibi:
+        biggest = float(np.abs(np.where(p.sequences_visible(), p.alibi_bias(), 0.0)).max())
+        e_s += 2 * u * biggest
+        span += biggest
     e_w = 2 * e_s + (16 + span) * u + 3 * u * p.kv_len
     return 2 * e_w + (2 * p.kv_len + 1) * u
 
@@ -145,6 +160,54 @@ CASES = {
     "decode-sinks-softcap": dict(batch=1, q_len=1, kv_len=200, heads=4, kv_heads=1, dim=32,
                                  causal=True, kv_head_major=True, sinks=(6.0, 4.0, 2.5, -3.0),
                                  softcap=2.0, logits=15.0),
+    # ALiBi (Problem.alibi), the paper's slopes (2^-1 .. 2^-8 for 8 heads, 2^-2 .. 2^-8 for 4):
+    # without causal masking (the distance's both sides), causal, bottom-right causal and
+    # q_len < kv_len without it (the row's position i + kv_len - q_len), nonzero offsets (one
+    # with 4 times the usual scale), decode steps (the grouped forms: each query head its own
+    # slope), ragged batches (each sequence's own positions), a row's own window and a shared
+    # one (sliced off: the positions stay), with a soft-cap (the bias after it) and with sinks
+    # (not biased).
+    "prefill-alibi": dict(batch=1, q_len=24, kv_len=24, heads=4, kv_heads=2, dim=32,
+                          causal=False, alibi=alibi_slopes(4)),
+    "prefill-causal-alibi": dict(batch=2, q_len=30, kv_len=30, heads=8, kv_heads=2, dim=32,
+                                 causal=True, alibi=alibi_slopes(8)),
+    "causal-lq<lk-alibi": dict(batch=1, q_len=5, kv_len=33, heads=4, kv_heads=2, dim=32,
+                               causal=True, kv_head_major=True, alibi=alibi_slopes(4)),
+    "lq<lk-alibi": dict(batch=2, q_len=7, kv_len=20, heads=4, kv_heads=1, dim=8, causal=False,
+                        alibi=alibi_slopes(4)),
+    "causal-lq<lk-alibi-offset": dict(batch=1, q_len=6, kv_len=20, heads=4, kv_heads=2,
+                                      dim=16, causal=True, alibi=alibi_slopes(4),
+                                      alibi_offset=-5),
+    "prefill-alibi-offset": dict(batch=1, q_len=16, kv_len=16, heads=4, kv_heads=4, dim=16,
+                                 causal=False, logits=4.0, alibi=alibi_slopes(4),
+                                 alibi_offset=3),
+    "decode-alibi": dict(batch=2, q_len=1, kv_len=200, heads=8, kv_heads=2, dim=64,
+                         causal=True, kv_head_major=True, alibi=alibi_slopes(8)),
+    "decode-mqa-alibi": dict(batch=1, q_len=1, kv_len=77, heads=4, kv_heads=1, dim=32,
+                             causal=True, alibi=alibi_slopes(4), alibi_offset=2),
+    "decode-ragged-alibi": dict(batch=3, q_len=1, kv_len=120, heads=8, kv_heads=2, dim=32,
+                                causal=True, kv_head_major=True, kv_lens=(120, 17, 60),
+                                alibi=alibi_slopes(8)),
+    "ragged-rows-alibi": dict(batch=2, q_len=6, kv_len=40, heads=4, kv_heads=4, dim=16,
+                              causal=False, kv_lens=(9, 40), alibi=alibi_slopes(4)),
+    "prefill-causal-window-alibi": dict(batch=1, q_len=30, kv_len=30, heads=4, kv_heads=2,
+                                        dim=32, causal=True, window=7, alibi=alibi_slopes(4)),
+    "decode-window-alibi": dict(batch=2, q_len=1, kv_len=200, heads=8, kv_heads=2, dim=32,
+                                causal=True, kv_head_major=True, window=50,
+                                alibi=alibi_slopes(8)),
+    "prefill-causal-softcap-alibi": dict(batch=2, q_len=30, kv_len=30, heads=4, kv_heads=2,
+                                         dim=32, causal=True, softcap=2.0, logits=15.0,
+                                         alibi=alibi_slopes(4)),
+    "causal-lq<lk-softcap-alibi": dict(batch=1, q_len=5, kv_len=33, heads=4, kv_heads=2,
+                                       dim=32, causal=True, kv_head_major=True, softcap=2.0,
+                                       logits=15.0, alibi=alibi_slopes(4)),
+    "prefill-causal-sinks-alibi": dict(batch=2, q_len=30, kv_len=30, heads=4, kv_heads=2,
+                                       dim=32, causal=True, sinks=(3.0, 0.5, -2.0, 1.5),
+                                       alibi=alibi_slopes(4)),
+    "decode-sinks-softcap-alibi": dict(batch=1, q_len=1, kv_len=200, heads=4, kv_heads=1,
+                                       dim=32, causal=True, kv_head_major=True,
+                                       sinks=(6.0, 4.0, 2.5, -3.0), softcap=2.0, logits=15.0,
+                                       alibi=alibi_slopes(4)),
 }
 
 
@@ -169,7 +232,8 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
         # The peers that decline: ORT's GQA operator (causal only), the grouped forms
         # (grouped-query decode steps only), OpenVINO's KV-cache form (prefill and decode).
         # A ragged batch: the peers without per-sequence lengths, and ORT's GQA operator
-        # beyond decode steps. Sinks, a window, a soft-cap: the peers whose operator has none.
+        # beyond decode steps. Sinks, a window, a soft-cap, ALiBi: the peers whose operator has
+        # none; ALiBi in decode: OpenVINO's KV-cache form.
         assert ((cls.name == "peer-ort-gqa" and not p.causal)
                 or (cls.name.endswith("-grouped") and not p.grouped_decode)
                 or (cls is OpenVinoSdpaKvCache and p.q_len not in (1, p.kv_len))
@@ -177,6 +241,8 @@ def test_peer_matches_attention_in_double(cls: type[Peer], case: str) -> None:
                 or (p.sinks is not None and not cls.sinks)
                 or (0 < p.window < p.kv_len and not cls.window)
                 or (p.soft_capped and not cls.softcap)
+                or (p.has_alibi and not cls.alibi)
+                or (cls is OpenVinoSdpaKvCache and p.has_alibi and p.q_len != p.kv_len)
                 or (cls.name == "peer-ort-gqa" and p.kv_lens is not None and p.q_len != 1))
         pytest.skip(why)
     rng = np.random.default_rng(7)
@@ -214,7 +280,8 @@ def rounded(x: np.ndarray, kv_type: str) -> tuple[np.ndarray, np.ndarray]:
     return storage, wide
 
 
-REDUCED_CASES = ("decode-head-major", "prefill-causal-gqa", "decode-mqa-token-major")
+REDUCED_CASES = ("decode-head-major", "prefill-causal-gqa", "decode-mqa-token-major",
+                 "prefill-causal-alibi", "decode-alibi")
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "bf16"])
@@ -305,19 +372,21 @@ def test_openvino_reads_an_i8_cache_within_its_requantization_bound(case: str) -
 
 @pytest.mark.parametrize("kind", ["prefill", "prefill-causal", "decode", "decode-gqa",
                                   "decode-mqa", "prefill-gqa-token-major", "decode-f16",
-                                  "decode-gqa-bf16", "decode-gqa-i8"])
+                                  "decode-gqa-bf16", "decode-gqa-i8", "prefill-gqa-alibi"])
 def test_openvino_kv_cache_keeps_the_fused_node(kind: str) -> None:
     """The CPU plugin compiles peer-openvino-sdpa-kvcache's model for every kind of problem
     with its ScaledDotProductAttention node, not a MatMul, Softmax, MatMul decomposition or
     a Snippets subgraph (the plain opset13 model gets those); with an f16, bf16 or u8 (i8)
-    cache too."""
+    cache too, and with ALiBi's float mask."""
     peer = loaded(OpenVinoSdpaKvCache)
     assert isinstance(peer, OpenVinoSdpaKvCache)
     heads, kv_heads = {"decode-gqa": (8, 2), "decode-mqa": (8, 1), "decode-gqa-bf16": (8, 2),
-                       "decode-gqa-i8": (8, 2), "prefill-gqa-token-major": (8, 2)}.get(kind, (4, 4))
+                       "decode-gqa-i8": (8, 2), "prefill-gqa-token-major": (8, 2),
+                       "prefill-gqa-alibi": (8, 2)}.get(kind, (4, 4))
     q_len = 1 if kind.startswith("decode") else 64
     p = make_problem(1, q_len, 64 if q_len > 1 else 256, heads, kv_heads, 32,
-                     causal=kind != "prefill", kv_head_major=kind != "prefill-gqa-token-major")
+                     causal=kind != "prefill", kv_head_major=kind != "prefill-gqa-token-major",
+                     alibi=alibi_slopes(heads) if kind.endswith("alibi") else None)
     for kv_type in ("f16", "bf16", "i8"):
         if kind.endswith(kv_type):
             p = replace(p, kv_type=kv_type)
@@ -480,6 +549,207 @@ def test_reference_caps_the_logits_not_the_sinks() -> None:
     want = (w[:-1] / w.sum()) @ t.v[0][0, :, 0].astype(np.float64)
     got = attention(p, t.q[0], t.k[0], t.v[0])[0, 0, 0]
     assert np.abs(got - want).max() < 1e-12
+
+
+def test_alibi_is_parsed_and_refused() -> None:
+    """alibi (one slope per query head) and alibi_offset (absent: 0) reach the problem; a
+    problem with ALiBi is answered yes by the peers whose operator adds it (OpenVINO's KV-cache
+    form in prefill only) and no, naming it, by a peer without, whose prepare of it is an
+    error; one without is every peer's."""
+    decode = ("batch=1 q_len=1 kv_len=6 q_heads=2 kv_heads=1 head_dim=4 causal=1 scale=0.5 "
+              "q_strides=8,8,4 k_strides=24,4,24 v_strides=24,4,24 o_strides=8,8,4")
+    prefill = ("batch=1 q_len=6 kv_len=6 q_heads=2 kv_heads=1 head_dim=4 causal=1 scale=0.5 "
+               "q_strides=48,8,4 k_strides=24,4,24 v_strides=24,4,24 o_strides=48,8,4")
+    fields = dict(w.split("=") for w in decode.split())
+    p = Problem.parse(fields)
+    assert p.alibi is None and p.alibi_offset == 0 and not p.has_alibi and p.mask is Mask.NONE
+    slopes = "0.0625,0.00390625"
+    p = Problem.parse({**fields, "alibi": slopes, "alibi_offset": "-3"})
+    assert p.alibi == (0.0625, 2.0 ** -8) and p.alibi_offset == -3 and p.has_alibi
+    assert p.mask is Mask.BIAS
+    # Row 0 of 1 at position 0 + 6 - 1 - 3 = 2: head h's bias -m_h |2 - j| for keys 0..5.
+    distance = np.abs(2 - np.arange(6))
+    assert np.array_equal(p.alibi_bias(), -np.array([0.0625, 2.0 ** -8])[None, :, None, None]
+                          * distance)
+    # 17 significant digits give a float32 slope back exactly.
+    assert Problem.parse({**fields, "alibi": "0.70710676908493042,0.5"}).alibi[0] == float(
+        np.float32(2.0 ** -0.5))
+
+    class Unbiased(Peer):  # a peer without ALiBi: its refusal (every framework peer has it)
+        name = "peer-unbiased"
+        package = "numpy"
+
+    server = Server([cls() for cls in ATTENTION] + [Unbiased()])
+    biasing = set()
+    for name, peer in server.peers.items():
+        assert isinstance(peer, Peer)
+        for line in (decode, prefill):
+            if server.handle(f"supports {name} {line}") != "yes":
+                assert name.endswith("-grouped") and line == prefill, name
+                continue
+            reply = server.handle(f"supports {name} {line} alibi={slopes} alibi_offset=2")
+            if peer.alibi and (line == prefill or not isinstance(peer, OpenVinoSdpaKvCache)):
+                assert reply == "yes", (name, reply)
+                biasing.add(name)
+                continue
+            if peer.alibi:
+                assert reply.startswith("no ALiBi in decode"), (name, reply)
+                continue
+            assert reply == f"no ALiBi: {name} takes no bias", reply
+            assert server.handle(f"prepare {name} {line} alibi={slopes} threads=1") == (
+                f"error unsupported: ALiBi: {name} takes no bias"), name
+    assert biasing == {cls.name for cls in ATTENTION}
+
+
+def test_reference_biases_after_the_cap_not_the_sinks() -> None:
+    """The float64 reference the peers are checked against, with ALiBi, a soft-cap and sinks
+    on a ragged batch of GQA heads with q_len < kv_len and an offset: the softmax of
+    c tanh(s / c) - m_h |i + n - q_len + offset - j| over the keys j <= i + n - q_len of the
+    sequence's n, and the sink as given, written out here row by row."""
+    slopes = (0.75, 0.5, 0.25, 0.125)
+    sinks = (1.5, -0.5, 0.25, 2.0)
+    p = make_problem(2, 3, 8, 4, 2, 4, causal=True, kv_lens=(5, 8), sinks=sinks, softcap=1.0,
+                     logits=15.0, alibi=slopes, alibi_offset=-2)
+    q, k, v, o = buffers(p, np.random.default_rng(2))
+    t = Tensors.from_buffers(p, q, k, v, o)
+    got = attention(p, t.q[0], t.k[0], t.v[0])
+    f64 = np.float64
+    for b, n in enumerate((5, 8)):
+        for h in range(4):
+            for i in range(3):
+                logits, values = [], []
+                for j in range(i + n - 3 + 1):
+                    s = p.scale * float(t.k[0][b, j, h // 2].astype(f64)
+                                        @ t.q[0][b, i, h].astype(f64))
+                    logits.append(math.tanh(s) - slopes[h] * abs(i + n - 3 - 2 - j))
+                    values.append(t.v[0][b, j, h // 2].astype(f64))
+                w = np.exp(np.append(logits, sinks[h]))
+                want = (w[:-1] / w.sum()) @ np.array(values)
+                assert np.abs(got[b, i, h] - want).max() < 1e-12, (b, h, i)
+
+
+def variant(cls: type[Problem], p: Problem) -> Problem:
+    """p with its ALiBi added as cls adds it (one of the wrong ways below)."""
+    return cls(**vars(p))
+
+
+@dataclass(frozen=True)
+class NoBias(Problem):
+    """ALiBi left out."""
+
+    def logits(self, s: np.ndarray) -> np.ndarray:
+        return self.capped(s)
+
+
+@dataclass(frozen=True)
+class WrongSign(Problem):
+    """+m_h |distance|: the far keys favoured."""
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        return -Problem.alibi_bias(self, dtype)
+
+
+@dataclass(frozen=True)
+class TopLeft(Problem):
+    """Row i at position i + offset (top-left, as is_causal aligns), not i + n - q_len +
+    offset."""
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        return Problem.alibi_bias(replace(self, kv_lens=None, alibi_offset=self.alibi_offset
+                                          - (self.kv_len - self.q_len)), dtype)
+
+
+@dataclass(frozen=True)
+class CapacityPositions(Problem):
+    """Every sequence of a ragged batch placed on the capacity kv_len, not its own length."""
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        return Problem.alibi_bias(replace(self, kv_lens=None), dtype)
+
+
+@dataclass(frozen=True)
+class OffsetIgnored(Problem):
+    """alibi_offset taken as 0."""
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        return Problem.alibi_bias(replace(self, alibi_offset=0), dtype)
+
+
+@dataclass(frozen=True)
+class OneSided(Problem):
+    """The signed distance i + n - q_len + offset - j, no absolute value: keys after the row's
+    position favoured (a causal-only shortcut)."""
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        bias = Problem.alibi_bias(self, dtype)
+        lens = self.kv_lens if self.kv_lens is not None else (self.kv_len,)
+        rows, cols = np.arange(self.q_len)[:, None], np.arange(self.kv_len)[None, :]
+        after = np.stack([cols > rows + n - self.q_len + self.alibi_offset for n in lens])
+        return np.where(after[:, None], -bias, bias)
+
+
+@dataclass(frozen=True)
+class PerKvHead(Problem):
+    """Query head h given the slope alibi[h / g], indexed by its KV head."""
+
+    def alibi_bias(self, dtype: type = np.float64) -> np.ndarray:
+        assert self.alibi is not None
+        return Problem.alibi_bias(replace(self, alibi=tuple(
+            self.alibi[h // self.group] for h in range(self.q_heads))), dtype)
+
+
+@dataclass(frozen=True)
+class BiasBeforeCap(Problem):
+    """c tanh((s + bias) / c): the bias capped with the logit."""
+
+    def logits(self, s: np.ndarray) -> np.ndarray:
+        return self.capped(s + self.alibi_bias())
+
+
+# The ways to get ALiBi wrong.
+WRONG_ALIBI: dict[str, type[Problem]] = {
+    "no bias": NoBias, "wrong sign": WrongSign, "top-left positions": TopLeft,
+    "positions on the capacity": CapacityPositions, "offset ignored": OffsetIgnored,
+    "one-sided distance": OneSided, "slopes per KV head": PerKvHead,
+    "bias before the cap": BiasBeforeCap,
+}
+
+
+def changes_the_weights(p: Problem, wrong: Problem) -> bool:
+    """Whether `wrong` moves some row's logits by more than a constant over the keys the row
+    sees: the softmax is blind to a constant (a causal row's position shifted while every key
+    it sees stays before it leaves o as it is, and no peer's answer can tell). The logits from
+    s = 0, which shows each wrong way here, the bias before the cap included."""
+    zero = np.zeros((p.batch, p.q_heads, p.q_len, p.kv_len))
+    moved = np.broadcast_to(wrong.logits(zero) - p.logits(zero), zero.shape)
+    visible = np.broadcast_to(p.sequences_visible(), zero.shape)
+    spread = (np.where(visible, moved, -np.inf).max(axis=-1)
+              + np.where(visible, -moved, -np.inf).max(axis=-1))
+    return bool(spread.max() > 1e-9)
+
+
+ALIBI_CASES = sorted(c for c in CASES if CASES[c].get("alibi") is not None)
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_ALIBI))
+def test_alibi_cases_tell_the_wrong_alibis_apart(wrong: str) -> None:
+    """On the peer test's ALiBi cases, with its inputs, the reference for each wrong way to add
+    ALiBi differs from the right one by more than 100 times the bound a peer is held to, in
+    every case where it changes the weights (and there is one): a peer computing it fails."""
+    told = 0
+    for case in ALIBI_CASES:
+        whole = make_problem(**CASES[case])
+        other_problem = variant(WRONG_ALIBI[wrong], whole)
+        if not changes_the_weights(whole, other_problem):
+            continue
+        q, k, v, o = buffers(whole, np.random.default_rng(7), copies=2)
+        t = Tensors.from_buffers(whole, q, k, v, o)
+        right = attention(whole, t.q[0], t.k[0], t.v[0])
+        other = attention(other_problem, t.q[0], t.k[0], t.v[0])
+        gap, bound = np.abs(other - right).max(), error_bound(whole.sliced())
+        assert gap > 100 * bound, f"{wrong} on {case}: {gap:.3g}, bound {bound:.3g}"
+        told += 1
+    assert told > 0, wrong
 
 
 def test_greeting_ends_with_ready() -> None:
