@@ -198,7 +198,8 @@ run_sanitize() {
 run_emulated() {
   configure_build "$BUILD_ROOT/build" -DCMAKE_BUILD_TYPE=Release &&
     run_ctest "$BUILD_ROOT/build" -L emulated &&
-    configure_build "$BUILD_ROOT/build-debug" -DCMAKE_BUILD_TYPE=Debug -DMHA_BUILD_BENCH=OFF &&
+    configure_build "$BUILD_ROOT/build-debug" -DCMAKE_BUILD_TYPE=Debug -DMHA_BUILD_BENCH=OFF \
+      -DMHA_BUILD_MUTANTS=OFF &&
     run_ctest "$BUILD_ROOT/build-debug" -L emulated
 }
 
