@@ -47,7 +47,6 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -501,9 +500,7 @@ std::string expected_check(const Problem& p) {
   for (i64 h = 0; p.alibi != nullptr && h < p.q_heads; ++h) {
     const float a = p.alibi[h];
     if (std::isnan(a) || a < 0.0f || a > 4294967296.0f) {
-      char text[32];
-      std::snprintf(text, sizeof text, "%g", static_cast<double>(a));
-      return "alibi[" + std::to_string(h) + "] (" + text + ") must be within [0, 2^32]";
+      return "alibi[" + std::to_string(h) + "] (" + detail::str_g(a) + ") must be within [0, 2^32]";
     }
   }
   if (p.alibi != nullptr && (p.alibi_offset < -(i64{1} << 62) || p.alibi_offset > (i64{1} << 62))) {
