@@ -1427,10 +1427,13 @@ void prefill(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v
 
 }  // namespace
 
-void mha_f32_attention_avx512(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
-                              float* o, float* lse, mha::Workspace ws) {
-  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_avx512, p, q, k, v, o, lse, ws);
+void mha_f32_attention_avx512(const mha::Problem& call, const float* q, mha::KvView k,
+                              mha::KvView v, float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(call))
+    return mha::each_sequence(mha_f32_attention_avx512, call, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
+  // ALiBi's reach (support::AlibiReach): a sliding window past which no key weighs in.
+  const mha::Problem p = mha::support::AlibiReach::apply(call, q, k, v);
   if (!decodes(p)) {
     prefill(p, q, k, v, o, lse, ws);
     return;

@@ -285,10 +285,13 @@ std::size_t mha_f32_attention_blocked_workspace(const mha::Problem& p) {
   return mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); });
 }
 
-void mha_f32_attention_blocked(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
-                               float* o, float* lse, mha::Workspace ws) {
-  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_blocked, p, q, k, v, o, lse, ws);
+void mha_f32_attention_blocked(const mha::Problem& call, const float* q, mha::KvView k,
+                               mha::KvView v, float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(call))
+    return mha::each_sequence(mha_f32_attention_blocked, call, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
+  // ALiBi's reach (support::AlibiReach): a sliding window past which no key weighs in.
+  const mha::Problem p = mha::support::AlibiReach::apply(call, q, k, v);
   const Tiling tiling = mha::support::flash_tiling(p);
   const std::int64_t bc = tiling.keys;
   Carve workspace(ws.data);

@@ -60,10 +60,13 @@ std::size_t mha_f32_attention_highway_workspace(const mha::Problem& p) {
   return mha::highway_kernel::DispatchWorkspace(p);
 }
 
-void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
-                               float* o, float* lse, mha::Workspace ws) {
-  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_highway, p, q, k, v, o, lse, ws);
+void mha_f32_attention_highway(const mha::Problem& call, const float* q, mha::KvView k,
+                               mha::KvView v, float* o, float* lse, mha::Workspace ws) {
+  if (mha::ragged(call))
+    return mha::each_sequence(mha_f32_attention_highway, call, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
+  // ALiBi's reach (support::AlibiReach): a sliding window past which no key weighs in.
+  const mha::Problem p = mha::support::AlibiReach::apply(call, q, k, v);
   mha::highway_kernel::DispatchRun(p, q, k, v, o, lse, ws);
 }
 
@@ -80,7 +83,8 @@ void mha_f32_attention_highway(const mha::Problem& p, const float* q, mha::KvVie
       return mha::each_sequence(mha_f32_attention_highway_##name, p, q, k, v, o, lse, ws);        \
     }                                                                                             \
     const mha::FpEnvGuard default_fp_env;                                                         \
-    mha::highway_kernel::N_##TARGET::Run(p, q, k, v, o, lse, ws);                                 \
+    mha::highway_kernel::N_##TARGET::Run(mha::support::AlibiReach::apply(p, q, k, v), q, k, v, o, \
+                                         lse, ws);                                                \
   }
 
 #if HWY_ARCH_X86_64

@@ -1082,10 +1082,13 @@ std::size_t mha_f32_attention_neon_workspace(const mha::Problem& p) {
                   mha::support::workspace_bytes([&](Carve& c) { carve(p, tiling, c); }));
 }
 
-void mha_f32_attention_neon(const mha::Problem& p, const float* q, mha::KvView k, mha::KvView v,
+void mha_f32_attention_neon(const mha::Problem& call, const float* q, mha::KvView k, mha::KvView v,
                             float* o, float* lse, mha::Workspace ws) {
-  if (mha::ragged(p)) return mha::each_sequence(mha_f32_attention_neon, p, q, k, v, o, lse, ws);
+  if (mha::ragged(call))
+    return mha::each_sequence(mha_f32_attention_neon, call, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
+  // ALiBi's reach (support::AlibiReach): a sliding window past which no key weighs in.
+  const mha::Problem p = mha::support::AlibiReach::apply(call, q, k, v);
   const auto run = [&](auto type) {
     constexpr mha::KvType kType = decltype(type)::value;
     if (decodes(p)) {

@@ -18,10 +18,12 @@ std::size_t mha_f32_attention_xsimd_neon_workspace(const mha::Problem& p) {
   return mha::xsimd_kernel::Attention<xsimd::neon64>::workspace(p);
 }
 
-void mha_f32_attention_xsimd_neon(const mha::Problem& p, const float* q, mha::KvView k,
+void mha_f32_attention_xsimd_neon(const mha::Problem& call, const float* q, mha::KvView k,
                                   mha::KvView v, float* o, float* lse, mha::Workspace ws) {
-  if (mha::ragged(p))
-    return mha::each_sequence(mha_f32_attention_xsimd_neon, p, q, k, v, o, lse, ws);
+  if (mha::ragged(call))
+    return mha::each_sequence(mha_f32_attention_xsimd_neon, call, q, k, v, o, lse, ws);
   const mha::FpEnvGuard default_fp_env;
+  // ALiBi's reach (support::AlibiReach): a sliding window past which no key weighs in.
+  const mha::Problem p = mha::support::AlibiReach::apply(call, q, k, v);
   mha::xsimd_kernel::Attention<xsimd::neon64>::run(p, q, k, v, o, lse, ws);
 }

@@ -226,6 +226,184 @@ struct Alibi {
   }
 };
 
+/// ALiBi's reach: the sliding window past which no key can weigh anything in a causal
+/// problem with ALiBi (Problem::alibi), so that a kernel skips those keys' tiles as it skips a
+/// window's. ALiBi's bias falls by slope_h per key of distance, while a logit can rise above
+/// the row's by at most what the inputs bound: row i's logits are at most U_i = |scale| |q_i|
+/// max_j |k_j| (or the soft-cap), and its max at least x_i, its logit of its last key (biased
+/// by |alibi_offset|, capped). So a key whose distance passes d_i = (U_i - x_i + M) / slope_h
+/// beyond the last key's has a weight below e^-M of the row's max, M = 150 ln 2 + 1: below half
+/// of fp32's least subnormal, a weight fp32 rounds to 0 (the 1 and the slack `err` below cover
+/// the kernels' roundings of the logits, the cap and the bias). The window is the largest of
+/// the call's rows and heads, counted from the last key (the rows' positions lie alibi_offset
+/// past it). Skipping changes no weight a float holds, only where the online softmax starts.
+///
+/// It costs a pass over K (and over V's keys it drops, which must be finite: a NaN or an
+/// infinity there still reaches the output, as the contract says; so must q's and k's, else
+/// there is no reach), 1 / (g q_len) of the attention's reads, so it is taken for calls of at
+/// least kMinRows rows of all g heads only (never a decode step, which would read K twice);
+/// and the window is the call's widest, one for all its heads and sequences: the parallel
+/// driver's calls are one sequence and one KV head's group each. 0: no reach (no ALiBi, not
+/// causal, too few rows, a zero slope, a non-finite input, or no key it could drop).
+struct AlibiReach {
+  static constexpr std::int64_t kMinRows = 64;
+
+  /// f(value): value(d) is element d of a K or V row of type t as a kernel reads it (i8: the
+  /// stored integer times scale, rounded once), in fp32; one instantiation per type, so that
+  /// f's loop over d vectorizes.
+  template <typename F>
+  static void with_values(KvType t, const void* row, float scale, F&& f) {
+    const auto bits16 = [row](std::int64_t d) {
+      std::uint16_t h;
+      std::memcpy(&h, static_cast<const unsigned char*>(row) + 2 * d, sizeof h);
+      return std::uint32_t{h};
+    };
+    const auto float_of = [](std::uint32_t u) {
+      float x;
+      std::memcpy(&x, &u, sizeof x);
+      return x;
+    };
+    switch (t) {
+      case KvType::f32:
+        return f([row](std::int64_t d) { return static_cast<const float*>(row)[d]; });
+      case KvType::bf16:
+        return f([&](std::int64_t d) { return float_of(bits16(d) << 16); });
+      case KvType::f16:
+        // The magnitude bits in fp32's place times 2^112 (exact for normals and subnormals
+        // alike), the sign put back; exponent 31 (an infinity, a NaN) gives a NaN, so that
+        // nothing finite comes of it.
+        return f([&](std::int64_t d) {
+          const std::uint32_t h = bits16(d);
+          const std::uint32_t m = h & 0x7FFFu;
+          const float a =
+              m >= 0x7C00u ? std::numeric_limits<float>::quiet_NaN() : float_of(m << 13) * 0x1p112f;
+          return (h & 0x8000u) != 0 ? -a : a;
+        });
+      case KvType::i8:
+        return f([row, scale](std::int64_t d) {
+          return static_cast<float>(static_cast<const std::int8_t*>(row)[d]) * scale;
+        });
+    }
+  }
+
+  /// sum_d a(d) b(d) over d < n, in double, in lanes (a vectorizable loop).
+  template <typename A, typename B>
+  static double dot(const A& a, const B& b, std::int64_t n) {
+    constexpr int kLanes = 8;
+    double acc[kLanes] = {};
+    std::int64_t d = 0;
+    for (; d + kLanes <= n; d += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        acc[l] += static_cast<double>(a(d + l)) * static_cast<double>(b(d + l));
+      }
+    }
+    for (; d < n; ++d) acc[0] += static_cast<double>(a(d)) * static_cast<double>(b(d));
+    double total = 0;
+    for (double x : acc) total += x;
+    return total;
+  }
+
+  /// The squared norm of a K or V row, in double: +inf or NaN exactly when an element is not
+  /// finite (an fp32 square cannot overflow a double).
+  static double squared_norm(const Problem& p, const KvView& row) {
+    double n2 = 0;
+    with_values(p.kv_type, row.data, p.kv_type == KvType::i8 ? *row.scale : 1.0f,
+                [&](const auto& value) { n2 = dot(value, value, p.head_dim); });
+    return n2;
+  }
+
+  /// The window (Problem::window) past which p's keys weigh nothing, 0 for none (above).
+  static std::int64_t of(const Problem& p, const float* q, KvView k, KvView v) {
+    if (!has_alibi(p) || !p.causal || p.kv_len <= 0) return 0;
+    const std::int64_t g = p.q_heads / p.kv_heads;
+    if (g * p.q_len < kMinRows) return 0;
+    // The keys a row sees at most: a window must be shorter to drop any.
+    const std::int64_t most = p.window > 0 && p.window < p.kv_len ? p.window : p.kv_len;
+    const double margin = 150.0 * std::log(2.0) + 1.0;
+    // The slack of the kernels' roundings: the dot products' (D + 16) u relative to U, the
+    // cap's, and the bias's (relative to slope |d|; on the slope below).
+    const double delta = static_cast<double>(p.head_dim + 16) * 0x1p-23;
+    const bool capped = soft_capped(p);
+    const double cap = p.softcap, scale = p.scale;
+    // Row i keeps the keys within (need + M) / slope of its position, end_i - 1 +
+    // alibi_offset: its window is that plus 1 - alibi_offset. (need counts the last key's
+    // distance, |alibi_offset|, in its bias.)
+    const auto off = static_cast<double>(p.alibi_offset);
+    const auto window_for = [&](double need, double slope) {
+      return (need + margin) / (slope * (1 - delta)) + 1.0 - off;
+    };
+    double smallest = std::numeric_limits<double>::infinity();
+    for (std::int64_t h = 0; h < p.q_heads; ++h) smallest = std::min<double>(smallest, p.alibi[h]);
+    // Every need is at least slope |alibi_offset| (x_i <= U_i): a window that cannot be
+    // shorter than `most` reads nothing.
+    if (!(window_for(smallest * std::fabs(off), smallest) < static_cast<double>(most))) return 0;
+
+    // The keys some row sees: [lo, hi) (a sliding window's rows read no further back).
+    const std::int64_t lo = first_key(p, 0), hi = visible_keys(p, p.q_len - 1);
+    double widest = 0;
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+        const auto key = [&](std::int64_t j) {
+          return kv_row(k, p.kv_type, p.k, p.k_scale, b, j, kv_head);
+        };
+        double k_max2 = 0;
+        for (std::int64_t j = lo; j < hi; ++j) {
+          const double n2 = squared_norm(p, key(j));
+          if (!(n2 < std::numeric_limits<double>::infinity())) return 0;  // NaN too
+          k_max2 = std::max(k_max2, n2);
+        }
+        const double k_max = std::sqrt(k_max2);
+        for (std::int64_t h = kv_head * g; h < (kv_head + 1) * g; ++h) {
+          const double slope = p.alibi[h];
+          for (std::int64_t i = 0; i < p.q_len; ++i) {
+            const std::int64_t end = visible_keys(p, i);
+            if (end == 0) continue;
+            const float* qi = q + b * p.q.batch + i * p.q.seq + h * p.q.head;
+            const KvView last = key(end - 1);
+            const auto q_value = [qi](std::int64_t d) { return qi[d]; };
+            double qk = 0;
+            with_values(p.kv_type, last.data, p.kv_type == KvType::i8 ? *last.scale : 1.0f,
+                        [&](const auto& value) { qk = dot(q_value, value, p.head_dim); });
+            const double q2 = dot(q_value, q_value, p.head_dim);
+            double top = std::fabs(scale) * std::sqrt(q2) * k_max;  // U_i
+            double x = scale * qk;
+            const double off_bias = slope * std::fabs(off);
+            const double err = delta * (top + (capped ? cap : 0.0) + off_bias);
+            if (capped) {
+              top = std::min(top, cap);
+              x = cap * std::tanh(x / cap);
+            }
+            x -= off_bias;
+            const double w = window_for(top - x + err, slope);
+            if (!(w < static_cast<double>(most))) return 0;  // NaN: a non-finite input
+            widest = std::max(widest, w);
+          }
+        }
+      }
+    }
+    const auto window = static_cast<std::int64_t>(std::ceil(widest));
+    if (window >= most) return 0;
+    // The keys some row drops, [lo, hi - window): V's must be finite.
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      for (std::int64_t kv_head = 0; kv_head < p.kv_heads; ++kv_head) {
+        for (std::int64_t j = lo; j < hi - window; ++j) {
+          const double n2 = squared_norm(p, kv_row(v, p.kv_type, p.v, p.v_scale, b, j, kv_head));
+          if (!(n2 < std::numeric_limits<double>::infinity())) return 0;
+        }
+      }
+    }
+    return window;
+  }
+
+  /// p with its window narrowed to ALiBi's reach (p itself when there is none).
+  static Problem apply(const Problem& p, const float* q, KvView k, KvView v) {
+    Problem r = p;
+    const std::int64_t window = of(p, q, k, v);
+    if (window > 0) r.window = window;
+    return r;
+  }
+};
+
 constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
 constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t m) { return (n + m - 1) / m; }
 
