@@ -58,6 +58,13 @@ TEST_P(Equivalence, Alibi) {
   check_property([&] { check_equivalence(kernel(), *gen_case(options)); });
 }
 
+// ALiBi slopes steep enough for the reach (support::AlibiReach) to drop keys: the kernels skip
+// them as a window's tiles, and still equal the reference; a NaN in V among the dropped keys
+// still reaches its rows.
+TEST_P(Equivalence, AlibiReach) {
+  check_property([&] { check_alibi_reach(kernel()); });
+}
+
 // Decodes of 16k to 128k keys on values where every row hangs on a few hundred keys: a
 // kernel that drops a KV tile or 1% of the keys there fails (reference/sensitive.h). 25
 // cases (about 1.5 s natively): the planted long-decode bugs (mutants/CMakeLists.txt) fail

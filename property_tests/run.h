@@ -55,6 +55,18 @@ Outputs run(const Call& call, const std::string& name, const Problem& p, const I
 /// The full equivalence property: reference vs kernel on one case.
 void check_equivalence(const KernelInfo& kernel, const Case& c);
 
+/// Inputs on which ALiBi's reach (support::AlibiReach) drops keys, drawn inside a property: a
+/// causal case with ALiBi (any values, half of them large logits; any storage, window, cap,
+/// sinks, offset), at least
+/// AlibiReach::kMinRows rows of all g heads, and every head's slope steep for the inputs' own
+/// logit bound U = |scale| max|q_i| max|k_j|: the longest distance, kv_len, biased by 10^y
+/// (2 U + 110), y in [0.3, 2] per head. `bound` receives U.
+Inputs alibi_reach_inputs(double* bound = nullptr);
+
+/// The equivalence property on alibi_reach_inputs, and 1 in 3 with a NaN in V at key 0, which
+/// the reach drops from the later rows: it must still reach every row that sees key 0.
+void check_alibi_reach(const KernelInfo& kernel);
+
 /// Runs a RapidCheck property inside the current GoogleTest test, like RC_GTEST_PROP does:
 /// RC_PARAMS controls counts and seeds, a failure prints the shrunk case and its
 /// `reproduce` string.

@@ -136,6 +136,7 @@ std::vector<Property> properties(const KernelInfo& kernel, const ParallelDriver*
       out.push_back(
           {"softcap", [kernel, softcaps] { check_equivalence(kernel, *gen_case(softcaps)); }});
       out.push_back({"alibi", [kernel, alibi] { check_equivalence(kernel, *gen_case(alibi)); }});
+      out.push_back({"alibi reach", [kernel] { check_alibi_reach(kernel); }});
     }
     return out;
   }
