@@ -143,7 +143,7 @@ Inputs alibi_reach_inputs(double* bound) {
                    largest_norm(in.k, p.k, p.kv_len, p.kv_heads);
   for (float& slope : in.alibi) {  // p.alibi points here
     const double y = *unsized(rc::gen::inRange(30, 201)) / 100.0;
-    slope = static_cast<float>((2 * u + 110) * std::pow(10.0, y) / static_cast<double>(p.kv_len));
+    slope = static_cast<float>((2 * u + 30) * std::pow(10.0, y) / static_cast<double>(p.kv_len));
   }
   if (bound != nullptr) *bound = u;
   return in;

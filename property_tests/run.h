@@ -60,7 +60,7 @@ void check_equivalence(const KernelInfo& kernel, const Case& c);
 /// sinks, offset), at least
 /// AlibiReach::kMinRows rows of all g heads, and every head's slope steep for the inputs' own
 /// logit bound U = |scale| max|q_i| max|k_j|: the longest distance, kv_len, biased by 10^y
-/// (2 U + 110), y in [0.3, 2] per head. `bound` receives U.
+/// (2 U + 30), y in [0.3, 2] per head. `bound` receives U.
 Inputs alibi_reach_inputs(double* bound = nullptr);
 
 /// The equivalence property on alibi_reach_inputs, and 1 in 3 with a NaN in V at key 0, which

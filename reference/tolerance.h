@@ -85,6 +85,15 @@
 //    3 never assumed otherwise. lse = m + log(sum) holds values up to A + B: tol_lse's last
 //    term takes A + B for A.
 //
+// 10. ALiBi's reach (mha::support::AlibiReach). A kernel may skip keys whose exact weight is
+//    below 2^-40 of the row's top one (a causal call's far keys under steep ALiBi slopes). Its
+//    result is then within this bound of the exact attention over the keys it kept (fewer
+//    keys: no term grows), which differs from the whole row's by at most 2 P V in o and
+//    -log(1 - P) in lse, P the skipped keys' share of the weights. The bound over all the
+//    keys already holds that much more: under step 3's split a small key's whole weight is in
+//    P_small, and a big one adds 2 to gamma's count, at least 2 u to e, more than twice its
+//    weight (< 2^-40). Nothing is added.
+//
 // Every step is a worst-case bound, so a correct kernel never exceeds it; it is far from
 // loose enough to hide a real bug: a wrong mask, a missing max subtraction, a wrong GQA
 // head mapping, a doubled scale, a skipped key, a dropped tail of D or lse in the wrong

@@ -32,8 +32,8 @@
 //   before the softmax (the sinks are not capped); o and lse are those of the capped logits.
 // * ALiBi (Problem::alibi, a slope per query head): head h adds -alibi[h] |pos_i - j| to s[j],
 //   pos_i = i + kv_len - q_len (+ Problem::alibi_offset) the row's position, after the
-//   soft-cap; the kernels compute it, no mask is materialised, and skip the keys it leaves a
-//   weight fp32 rounds to 0 (mha::support::AlibiReach).
+//   soft-cap; the kernels compute it, no mask is materialised, and skip the keys it leaves
+//   a weight below 2^-40 of their row's largest (mha::support::AlibiReach).
 // * NaN and Inf in the inputs propagate to every output they touch; nothing is silently
 //   zeroed.
 // * Arithmetic is fp32. No pointer needs any alignment.

@@ -232,11 +232,12 @@ struct Alibi {
 /// the row's by at most what the inputs bound: row i's logits are at most U_i = |scale| |q_i|
 /// max_j |k_j| (or the soft-cap), and its max at least x_i, its logit of its last key (biased
 /// by |alibi_offset|, capped). So a key whose distance passes d_i = (U_i - x_i + M) / slope_h
-/// beyond the last key's has a weight below e^-M of the row's max, M = 150 ln 2 + 1: below half
-/// of fp32's least subnormal, a weight fp32 rounds to 0 (the 1 and the slack `err` below cover
-/// the kernels' roundings of the logits, the cap and the bias). The window is the largest of
-/// the call's rows and heads, counted from the last key (the rows' positions lie alibi_offset
-/// past it). Skipping changes no weight a float holds, only where the online softmax starts.
+/// beyond the last key's has a weight below e^-M of the row's max, M = 40 ln 2 + 1: 2^-40,
+/// far below the 2 u (u = 2^-24) of the row's sum that rounding may lose of each key within
+/// the tolerance (reference/tolerance.h, step 10), so a kernel's result stays within it (the
+/// 1 and the slack `err` below cover the roundings of the bound's own terms). The window is
+/// the largest of the call's rows and heads, counted from the last key (the rows' positions
+/// lie alibi_offset past it).
 ///
 /// It costs a pass over K (and over V's keys it drops, which must be finite: a NaN or an
 /// infinity there still reaches the output, as the contract says; so must q's and k's, else
@@ -286,25 +287,24 @@ struct AlibiReach {
     }
   }
 
-  /// sum_d a(d) b(d) over d < n, in double, in lanes (a vectorizable loop).
+  /// sum_d a(d) b(d) over d < n in fp32 lanes (a vectorizable loop): within gamma(n) of the
+  /// sum of |products| (u = 2^-24), which `err` below covers.
   template <typename A, typename B>
   static double dot(const A& a, const B& b, std::int64_t n) {
-    constexpr int kLanes = 8;
-    double acc[kLanes] = {};
+    constexpr int kLanes = 16;
+    float acc[kLanes] = {};
     std::int64_t d = 0;
     for (; d + kLanes <= n; d += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        acc[l] += static_cast<double>(a(d + l)) * static_cast<double>(b(d + l));
-      }
+      for (int l = 0; l < kLanes; ++l) acc[l] += a(d + l) * b(d + l);
     }
-    for (; d < n; ++d) acc[0] += static_cast<double>(a(d)) * static_cast<double>(b(d));
+    for (; d < n; ++d) acc[0] += a(d) * b(d);
     double total = 0;
-    for (double x : acc) total += x;
+    for (float x : acc) total += static_cast<double>(x);
     return total;
   }
 
-  /// The squared norm of a K or V row, in double: +inf or NaN exactly when an element is not
-  /// finite (an fp32 square cannot overflow a double).
+  /// The squared norm of a K or V row: +inf or NaN when an element is not finite, and +inf
+  /// when the sum passes fp32's range (|x| near 2^64: then there is no reach either).
   static double squared_norm(const Problem& p, const KvView& row) {
     double n2 = 0;
     with_values(p.kv_type, row.data, p.kv_type == KvType::i8 ? *row.scale : 1.0f,
@@ -319,7 +319,7 @@ struct AlibiReach {
     if (g * p.q_len < kMinRows) return 0;
     // The keys a row sees at most: a window must be shorter to drop any.
     const std::int64_t most = p.window > 0 && p.window < p.kv_len ? p.window : p.kv_len;
-    const double margin = 150.0 * std::log(2.0) + 1.0;
+    const double margin = 40.0 * std::log(2.0) + 1.0;
     // The slack of the kernels' roundings: the dot products' (D + 16) u relative to U, the
     // cap's, and the bias's (relative to slope |d|; on the slope below).
     const double delta = static_cast<double>(p.head_dim + 16) * 0x1p-23;
