@@ -1,5 +1,5 @@
 // ALiBi's reach (support::AlibiReach, mha/support.h), kernel by kernel in equivalence_test.cpp;
-// here the window itself: every key it drops weighs nothing in double, and it is taken.
+// here the window itself: every key it drops weighs below 2^-40 in double, and it is taken.
 #include <mha/kv_types.h>
 #include <mha/support.h>
 #include <rapidcheck.h>
@@ -23,7 +23,7 @@ namespace {
 // any KV type (the window reads K's norms and V's finiteness as the kernels read them). And the
 // window is taken: on f32 inputs without a cap or an offset, it is within the bound its slopes
 // promise, (2 U + 105) / slope + 1 and a rounding's slack.
-TEST(AlibiReach, DropsOnlyKeysThatWeighNothing) {
+TEST(AlibiReach, DropsOnlyKeysBelowTwoToTheMinus40) {
   check_property([] {
     double u = 0;
     const Inputs in = alibi_reach_inputs(&u);

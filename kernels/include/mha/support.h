@@ -226,10 +226,10 @@ struct Alibi {
   }
 };
 
-/// ALiBi's reach: the sliding window past which no key can weigh anything in a causal
-/// problem with ALiBi (Problem::alibi), so that a kernel skips those keys' tiles as it skips a
-/// window's. ALiBi's bias falls by slope_h per key of distance, while a logit can rise above
-/// the row's by at most what the inputs bound: row i's logits are at most U_i = |scale| |q_i|
+/// ALiBi's reach: the sliding window past which no key weighs 2^-40 of its row's top one in a
+/// causal problem with ALiBi (Problem::alibi), so that a kernel skips those keys' tiles as it
+/// skips a window's. ALiBi's bias falls by slope_h per key of distance, while a logit can rise
+/// above the row's by at most what the inputs bound: row i's logits are at most U_i = |scale| |q_i|
 /// max_j |k_j| (or the soft-cap), and its max at least x_i, its logit of its last key (biased
 /// by |alibi_offset|, capped). So a key whose distance passes d_i = (U_i - x_i + M) / slope_h
 /// beyond the last key's has a weight below e^-M of the row's max, M = 40 ln 2 + 1: 2^-40,
@@ -312,7 +312,7 @@ struct AlibiReach {
     return n2;
   }
 
-  /// The window (Problem::window) past which p's keys weigh nothing, 0 for none (above).
+  /// The window (Problem::window) past which p's keys weigh below 2^-40, 0 for none (above).
   static std::int64_t of(const Problem& p, const float* q, KvView k, KvView v) {
     if (!has_alibi(p) || !p.causal || p.kv_len <= 0) return 0;
     const std::int64_t g = p.q_heads / p.kv_heads;
