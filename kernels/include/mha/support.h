@@ -320,8 +320,8 @@ struct AlibiReach {
     // The keys a row sees at most: a window must be shorter to drop any.
     const std::int64_t most = p.window > 0 && p.window < p.kv_len ? p.window : p.kv_len;
     const double margin = 40.0 * std::log(2.0) + 1.0;
-    // The slack of the kernels' roundings: the dot products' (D + 16) u relative to U, the
-    // cap's, and the bias's (relative to slope |d|; on the slope below).
+    // The slack of the bound's own roundings: its fp32 dot products and norms (D + 16) 2u
+    // relative to U, the cap's, the offset's bias's, and the slope's (on it below).
     const double delta = static_cast<double>(p.head_dim + 16) * 0x1p-23;
     const bool capped = soft_capped(p);
     const double cap = p.softcap, scale = p.scale;
